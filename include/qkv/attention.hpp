@@ -1,0 +1,141 @@
+// qkv/attention.hpp — the attention operator: out = softmax(f(Q, K)) V.
+//
+// Shapes (FlashAttention's layout; any non-negative strides, so a
+// [B, H, N, D] tensor passes as `t.transpose(1, 2)` without a copy):
+//   q    [B, Nq, Hq,  Dk]
+//   k    [B, Nk, Hkv, Dk]
+//   v    [B, Nk, Hkv, Dv]
+//   out  [B, Nq, Hq,  Dv]      dtype of q
+//   lse  [B, Hq, Nq]           f32 (f64 for f64 inputs); natural log
+//   probs[B, Hq, Nq, Nk]       f32 (f64 for f64 inputs); the softmax weights
+// Hq must be a multiple of Hkv; query head h reads KV head h / (Hq / Hkv)
+// (Hkv == Hq: multi-head, 1 < Hkv < Hq: grouped-query, Hkv == 1: multi-query).
+// q, k and v share one dtype: f32, f64, f16 or bf16.
+//
+// Packed variable-length batches (`cu_seqlens_q` / `cu_seqlens_k`, as in
+// FlashAttention's varlen API): q, k, v, out have B == 1 and hold S sequences
+// back to back; sequence s owns rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) of q
+// and [cu_seqlens_k[s], cu_seqlens_k[s+1]) of k and v. It is exactly dense
+// attention with a block-diagonal mask; lse is [1, Hq, total_q] and probs
+// [1, Hq, total_q, total_k]. Everywhere below, "sequence b" means the batch
+// entry b, or the packed sequence b, and i, j are positions *inside* it.
+//
+// Per sequence b, query row i and key j, the score is built in this order:
+//   s  = scale * <q_i, k_j>               Score::scaled_dot (scale = 1/sqrt(Dk))
+//      | <q_i, k_j>                       Score::dot
+//      | v^T tanh(W_q q_i + W_k k_j + b)  Score::additive
+//   s  = c * tanh(s / c)                  if softcap c > 0
+//   s += -slope[h] * |p_i - j|            ALiBi
+//   s += table[h, bucket(j - p_i)]        relative position bias (T5 buckets)
+//   s += mask[b, h, i, j]                 float (additive) mask
+//   s  = score_mod(s, b, h, i, j)         user callable
+// and key j is dropped (s = -inf) unless every mask admits it:
+//   j < nk_b                              key lengths (else nk_b = Nk)
+//   j <= p_i                              causal
+//   p_i - left <= j <= p_i + right        sliding window (-1: unbounded side)
+//   mask[b, h, i, j] == true              bool mask
+//   mask_mod(b, h, i, j) == true          user callable
+// where p_i, the position of query i on the key axis, is i + (nk_b - nq_b)
+// with Align::bottom_right (FlashAttention >= 2.1, KV-cache decoding) or i
+// with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
+// Softmax subtracts the row maximum. A row whose keys are all dropped has
+// out = 0, lse = -inf and probs = 0, never NaN. A NaN score yields a NaN row.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+// How scores f(q, k) are computed.
+enum class Score : std::uint8_t {
+  scaled_dot,  // scale * <q, k>; scale defaults to 1/sqrt(Dk)
+  dot,         // <q, k>
+  additive,    // v^T tanh(W_q q + W_k k + bias) (Bahdanau)
+};
+
+// Where query row i sits on the key axis when nq != nk (see the header).
+enum class Align : std::uint8_t { top_left, bottom_right };
+
+// Which implementation runs the call.
+enum class Backend : std::uint8_t {
+  automatic,  // the fastest backend that supports the call
+  reference,  // plain loops in double: the specification
+  fast,       // fused CPU kernels
+};
+
+// Parameters of Score::additive, shared by all heads. A is the attention size.
+struct AdditiveScore {
+  ConstTensorView w_q;   // [A, Dq] (Dq = q's last dim); required
+  ConstTensorView w_k;   // [A, Dk]; required
+  ConstTensorView v;     // [A]; required
+  ConstTensorView bias;  // [A]; optional (undefined = no bias)
+};
+
+// T5-style learned relative position bias: table[h, bucket(j - p_i)], with the
+// bucket function of `t5_relative_bucket` (qkv/positional.hpp).
+struct RelativePositionBias {
+  ConstTensorView table;           // [Hq, num_buckets]; undefined = off
+  std::int64_t max_distance = 128;  // distance at which buckets stop growing
+  bool bidirectional = true;        // false: all keys after the query share bucket 0
+};
+
+// score_mod(score, b, h, i, j) -> new score; mask_mod(b, h, i, j) -> keep?
+using ScoreMod =
+    std::function<double(double score, std::int64_t b, std::int64_t h, std::int64_t i,
+                         std::int64_t j)>;
+using MaskMod = std::function<bool(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j)>;
+
+// Options of qkv::attention. Every field has a default that means "off".
+struct AttentionOptions {
+  Score score = Score::scaled_dot;      // how f(q, k) is computed
+  std::optional<double> scale;          // Score::scaled_dot only; default 1/sqrt(Dk)
+  AdditiveScore additive;               // Score::additive only
+  bool causal = false;                  // drop keys after the query's position
+  Align align = Align::bottom_right;    // query positions for causal, window, ALiBi, bias
+  std::int64_t window_left = -1;        // keys at most this far before p_i; -1 = unbounded
+  std::int64_t window_right = -1;       // keys at most this far after p_i; -1 = unbounded
+  std::span<const std::int64_t> key_lengths;   // [B] valid keys per sequence; empty = all
+  std::span<const std::int64_t> cu_seqlens_q;  // [S + 1] packed query offsets; empty = dense
+  std::span<const std::int64_t> cu_seqlens_k;  // [S + 1] packed key offsets; with cu_seqlens_q
+  ConstTensorView mask;  // bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]
+  std::span<const float> alibi_slopes;  // [Hq] or [B * Hq] (row-major); empty = off
+  RelativePositionBias relative_bias;   // learned bias by relative position; off by default
+  double softcap = 0.0;                 // c > 0 applies c * tanh(s / c); 0 = off
+  ScoreMod score_mod;                   // empty = identity
+  MaskMod mask_mod;                     // empty = keep all
+  Backend backend = Backend::automatic;  // which implementation runs
+  bool return_lse = false;    // allocating overload: also return lse
+  bool return_probs = false;  // allocating overload: also return probs (B*Hq*Nq*Nk values)
+};
+
+// Result of the allocating overload; lse and probs are undefined unless asked.
+struct AttentionResult {
+  Tensor out;    // [B, Nq, Hq, Dv], dtype of q
+  Tensor lse;    // [B, Hq, Nq]
+  Tensor probs;  // [B, Hq, Nq, Nk]
+};
+
+// Caller-provided outputs. `out` is required; `lse` and `probs` are computed
+// only when defined. Outputs must not overlap the inputs or each other.
+struct AttentionOutputs {
+  TensorView out;    // [B, Nq, Hq, Dv], dtype of q, any strides
+  TensorView lse;    // [B, Hq, Nq], f32 (f64 for f64 inputs)
+  TensorView probs;  // [B, Hq, Nq, Nk], f32 (f64 for f64 inputs)
+};
+
+// Computes attention and returns freshly allocated outputs.
+// Throws qkv::Error (listing every problem) on invalid input.
+AttentionResult attention(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                          const AttentionOptions& options = {});
+
+// Computes attention into caller-provided views (no copy of the result).
+// `options.return_lse` / `return_probs` are ignored: defined views decide.
+void attention_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    const AttentionOutputs& outputs, const AttentionOptions& options = {});
+
+}  // namespace qkv

@@ -1,0 +1,35 @@
+// qkv/positional.hpp — position encodings and position-bias helpers.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+// Sinusoidal absolute positions ("Attention Is All You Need"), [n, d]:
+//   pe[pos, 2t]     = sin(pos / base^(2t / d))
+//   pe[pos, 2t + 1] = cos(pos / base^(2t / d))
+// Computed in double and rounded once to `dtype` (f32, f64, f16 or bf16).
+// Throws qkv::Error if n < 0, d < 1, base <= 1 or dtype is not floating.
+Tensor sinusoidal_positions(std::int64_t n, std::int64_t d, double base = 10000.0,
+                            DType dtype = DType::f32);
+
+// The bucket of a relative position (key position minus query position) in
+// T5's relative attention bias. bidirectional: half the buckets for keys
+// before the query, half for keys after; causal (false): keys after the query
+// all fall in bucket 0. Within each half, the first half of the buckets are
+// exact distances, the rest grow logarithmically up to `max_distance`.
+// Throws qkv::Error unless num_buckets >= 2 (>= 4 if bidirectional) and
+// max_distance >= the number of exact buckets.
+std::int64_t t5_relative_bucket(std::int64_t relative_position, std::int64_t num_buckets,
+                                std::int64_t max_distance, bool bidirectional);
+
+// ALiBi slopes for `num_heads` heads (Press et al. 2022): the geometric
+// sequence 2^(-8/n), 2^(-16/n), ... for n = num_heads a power of two; for
+// other counts, the slopes of the nearest lower power of two followed by every
+// other slope of the next power of two, as the paper's reference code does.
+std::vector<float> alibi_slopes(std::int64_t num_heads);
+
+}  // namespace qkv

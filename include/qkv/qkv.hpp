@@ -1,0 +1,21 @@
+// qkv — attention mechanisms for CPUs.
+//
+//   #include <qkv/qkv.hpp>
+//
+//   // Two sequences of 4 tokens, 2 heads of dimension 8, in [B, N, H, D].
+//   qkv::Tensor q(qkv::DType::f32, {2, 4, 2, 8}), k = q, v = q;
+//   ... fill q, k, v ...
+//   qkv::AttentionOptions opt;
+//   opt.causal = true;              // each token sees itself and earlier ones
+//   opt.return_lse = true;
+//   qkv::AttentionResult r = qkv::attention(q, k, v, opt);
+//   // r.out: [2, 4, 2, 8]; r.lse: [2, 2, 4]
+//
+// See qkv/attention.hpp for the full semantics, shapes and options.
+#pragma once
+
+#include "qkv/attention.hpp"
+#include "qkv/dtype.hpp"
+#include "qkv/error.hpp"
+#include "qkv/positional.hpp"
+#include "qkv/tensor.hpp"

@@ -1,0 +1,83 @@
+#include "qkv/positional.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "core/elements.hpp"
+
+namespace qkv {
+
+Tensor sinusoidal_positions(std::int64_t n, std::int64_t d, double base, DType dtype) {
+  std::vector<std::string> reasons;
+  if (n < 0) reasons.push_back("sinusoidal_positions: n must be >= 0, got " + std::to_string(n));
+  if (d < 1) reasons.push_back("sinusoidal_positions: d must be >= 1, got " + std::to_string(d));
+  if (!(base > 1.0) || !std::isfinite(base)) {
+    reasons.push_back("sinusoidal_positions: base must be finite and > 1, got " +
+                      std::to_string(base));
+  }
+  if (!is_floating(dtype)) {
+    reasons.push_back("sinusoidal_positions: dtype must be f32, f64, f16 or bf16, got " +
+                      std::string(dtype_name(dtype)));
+  }
+  if (!reasons.empty()) throw Error(reasons);
+  Tensor pe(dtype, {n, d});
+  for (std::int64_t pos = 0; pos < n; ++pos) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double frequency = std::pow(base, -static_cast<double>(c - c % 2) / static_cast<double>(d));
+      const double angle = static_cast<double>(pos) * frequency;
+      pe.set({pos, c}, c % 2 == 0 ? std::sin(angle) : std::cos(angle));
+    }
+  }
+  return pe;
+}
+
+std::int64_t t5_relative_bucket(std::int64_t relative_position, std::int64_t num_buckets,
+                                std::int64_t max_distance, bool bidirectional) {
+  std::int64_t buckets = num_buckets;
+  std::int64_t bucket = 0;
+  std::int64_t distance = 0;
+  if (bidirectional) {
+    buckets /= 2;
+    if (relative_position > 0) bucket += buckets;  // keys after the query
+    distance = relative_position < 0 ? -relative_position : relative_position;
+  } else {
+    distance = relative_position < 0 ? -relative_position : 0;  // keys after share bucket 0
+  }
+  const std::int64_t max_exact = buckets / 2;
+  if (max_exact < 1 || max_distance <= max_exact) {
+    throw Error("t5_relative_bucket: need num_buckets >= " + std::to_string(bidirectional ? 4 : 2) +
+                " and max_distance > " + std::to_string(max_exact) + ", got num_buckets = " +
+                std::to_string(num_buckets) + ", max_distance = " + std::to_string(max_distance));
+  }
+  if (distance < max_exact) return bucket + distance;
+  // Logarithmic buckets between max_exact and max_distance, computed in float
+  // in the same order, and truncated, as T5's reference implementation does.
+  const float ratio = static_cast<float>(distance) / static_cast<float>(max_exact);
+  const auto log_range = static_cast<float>(
+      std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
+  const float steps = std::log(ratio) / log_range * static_cast<float>(buckets - max_exact);
+  const auto large = max_exact + static_cast<std::int64_t>(steps);
+  return bucket + std::min(large, buckets - 1);
+}
+
+std::vector<float> alibi_slopes(std::int64_t num_heads) {
+  if (num_heads < 1) {
+    throw Error("alibi_slopes: num_heads must be >= 1, got " + std::to_string(num_heads));
+  }
+  // Slopes of a power-of-two head count n: 2^(-8 (i + 1) / n).
+  const auto power_of_two = [](std::int64_t n) {
+    std::vector<double> s(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) s[i] = std::exp2(-8.0 * double(i + 1) / double(n));
+    return s;
+  };
+  std::int64_t lower = 1;
+  while (lower * 2 <= num_heads) lower *= 2;
+  std::vector<double> slopes = power_of_two(lower);
+  const std::vector<double> upper = power_of_two(2 * lower);
+  for (std::int64_t i = 0; static_cast<std::int64_t>(slopes.size()) < num_heads; i += 2) {
+    slopes.push_back(upper[i]);
+  }
+  return std::vector<float>(slopes.begin(), slopes.end());
+}
+
+}  // namespace qkv

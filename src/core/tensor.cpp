@@ -1,0 +1,202 @@
+// Strided views, the owning tensor, and dtype-converting copies.
+#include "qkv/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "core/elements.hpp"
+
+namespace qkv {
+
+Shape contiguous_strides(std::span<const std::int64_t> sizes) {
+  Shape strides{};
+  std::int64_t stride = 1;
+  for (std::size_t d = sizes.size(); d-- > 0;) {
+    if (d < strides.size()) strides[d] = stride;
+    stride *= sizes[d] > 0 ? sizes[d] : 1;
+  }
+  return strides;
+}
+
+std::string shape_string(std::span<const std::int64_t> sizes) {
+  std::string text = "[";
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (d) text += ", ";
+    text += std::to_string(sizes[d]);
+  }
+  return text + "]";
+}
+
+template <bool Const>
+BasicTensorView<Const>::BasicTensorView(Pointer data, DType dtype,
+                                        std::span<const std::int64_t> sizes,
+                                        std::span<const std::int64_t> strides)
+    : data_(data), dtype_(dtype), rank_(static_cast<int>(sizes.size())), defined_(true) {
+  if (sizes.size() > kMaxRank) {
+    throw Error("tensor rank: expected at most " + std::to_string(kMaxRank) + ", got " +
+                std::to_string(sizes.size()) + " (sizes " + shape_string(sizes) + ")");
+  }
+  if (strides.size() != sizes.size()) {
+    throw Error("tensor strides: expected one per dimension (" + std::to_string(sizes.size()) +
+                "), got " + std::to_string(strides.size()));
+  }
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] < 0) {
+      throw Error("tensor sizes: expected non-negative sizes, got " + shape_string(sizes));
+    }
+    if (strides[d] < 0) {
+      throw Error("tensor strides: expected non-negative strides, got " + shape_string(strides));
+    }
+    sizes_[d] = sizes[d];
+    strides_[d] = strides[d];
+  }
+}
+
+template <bool Const>
+std::int64_t BasicTensorView<Const>::numel() const {
+  std::int64_t n = 1;
+  for (int d = 0; d < rank_; ++d) n *= sizes_[d];
+  return n;
+}
+
+template <bool Const>
+bool BasicTensorView<Const>::is_contiguous() const {
+  std::int64_t expected = 1;
+  for (int d = rank_; d-- > 0;) {
+    if (sizes_[d] != 1 && strides_[d] != expected) return false;
+    expected *= sizes_[d];
+  }
+  return true;
+}
+
+template <bool Const>
+BasicTensorView<Const> BasicTensorView<Const>::transpose(int a, int b) const {
+  const int aa = axis(a);
+  const int bb = axis(b);
+  if (aa < 0 || aa >= rank_ || bb < 0 || bb >= rank_) {
+    throw Error("transpose: dimensions " + std::to_string(a) + " and " + std::to_string(b) +
+                " must lie in [-" + std::to_string(rank_) + ", " + std::to_string(rank_) +
+                ") for a rank-" + std::to_string(rank_) + " view");
+  }
+  BasicTensorView out = *this;
+  std::swap(out.sizes_[aa], out.sizes_[bb]);
+  std::swap(out.strides_[aa], out.strides_[bb]);
+  return out;
+}
+
+template <bool Const>
+BasicTensorView<Const> BasicTensorView<Const>::slice(int d, std::int64_t start,
+                                                     std::int64_t length) const {
+  const int dd = axis(d);
+  if (dd < 0 || dd >= rank_) {
+    throw Error("slice: dimension " + std::to_string(d) + " out of range for a rank-" +
+                std::to_string(rank_) + " view");
+  }
+  if (start < 0 || length < 0 || start > sizes_[dd] || length > sizes_[dd] - start) {
+    throw Error("slice: [" + std::to_string(start) + ", " + std::to_string(start) + " + " +
+                std::to_string(length) + ") out of range for dimension " + std::to_string(d) +
+                " of size " + std::to_string(sizes_[dd]));
+  }
+  BasicTensorView out = *this;
+  if (length > 0) {
+    using Byte = std::conditional_t<Const, const std::byte, std::byte>;
+    out.data_ = static_cast<Byte*>(data_) +
+                start * strides_[dd] * static_cast<std::int64_t>(dtype_size(dtype_));
+  }
+  out.sizes_[dd] = length;
+  return out;
+}
+
+template <bool Const>
+std::int64_t BasicTensorView<Const>::offset_of(std::initializer_list<std::int64_t> index) const {
+  if (!defined_) throw Error("element access: the view is undefined");
+  if (static_cast<int>(index.size()) != rank_) {
+    throw Error("element access: expected " + std::to_string(rank_) + " indices, got " +
+                std::to_string(index.size()));
+  }
+  std::int64_t offset = 0;
+  int d = 0;
+  for (std::int64_t i : index) {
+    if (i < 0 || i >= sizes_[d]) {
+      throw Error("element access: index " + std::to_string(i) + " out of range for dimension " +
+                  std::to_string(d) + " of size " + std::to_string(sizes_[d]));
+    }
+    offset += i * strides_[d++];
+  }
+  return offset;
+}
+
+template <bool Const>
+double BasicTensorView<Const>::get(std::initializer_list<std::int64_t> index) const {
+  return detail::load(data_, dtype_, offset_of(index));
+}
+
+template <bool Const>
+void BasicTensorView<Const>::set(std::initializer_list<std::int64_t> index, double value) const
+  requires(!Const)
+{
+  detail::store(data_, dtype_, offset_of(index), value);
+}
+
+template class BasicTensorView<true>;
+template class BasicTensorView<false>;
+
+void Tensor::Free::operator()(void* p) const { std::free(p); }
+
+Tensor::Tensor(DType dtype, std::span<const std::int64_t> sizes) {
+  // Validate through the view constructor before allocating.
+  TensorView shape(nullptr, dtype, sizes);
+  const std::int64_t bytes = shape.numel() * static_cast<std::int64_t>(dtype_size(dtype));
+  const std::size_t rounded = (static_cast<std::size_t>(bytes) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, rounded == 0 ? 64 : rounded);
+  storage_.reset(p);
+  view_ = TensorView(p, dtype, sizes);
+}
+
+Tensor::Tensor(const Tensor& other) {
+  if (!other.defined()) return;
+  Tensor copy(other.dtype(), other.view_.size_span());
+  std::memcpy(copy.view_.data(), other.view_.data(),
+              static_cast<std::size_t>(other.numel()) * dtype_size(other.dtype()));
+  *this = std::move(copy);
+}
+
+Tensor& Tensor::operator=(const Tensor& other) {
+  if (this != &other) *this = Tensor(other);
+  return *this;
+}
+
+void Tensor::check_type(DType requested) const {
+  if (!defined()) throw Error("Tensor::data: the tensor is undefined");
+  if (requested != dtype()) {
+    throw Error("Tensor::data: requested element type " + std::string(dtype_name(requested)) +
+                " but the tensor holds " + std::string(dtype_name(dtype())));
+  }
+}
+
+void copy(ConstTensorView src, TensorView dst) {
+  if (!src.defined() || !dst.defined()) throw Error("copy: src and dst must be defined views");
+  if (src.rank() != dst.rank() || src.sizes() != dst.sizes()) {
+    throw Error("copy: dst sizes " + shape_string(dst.size_span()) + " must equal src sizes " +
+                shape_string(src.size_span()));
+  }
+  if (const std::string reason = detail::self_overlap_reason(dst); !reason.empty()) {
+    throw Error("copy: dst " + reason);
+  }
+  detail::for_each_index(src.sizes(), src.rank(), [&](const Shape& idx) {
+    detail::store(dst.data(), dst.dtype(), detail::offset(idx, dst.strides(), dst.rank()),
+                  detail::load(src.data(), src.dtype(), detail::offset(idx, src.strides(), src.rank())));
+  });
+}
+
+Tensor to_dtype(ConstTensorView src, DType dtype) {
+  if (!src.defined()) throw Error("to_dtype: src must be a defined view");
+  Tensor out(dtype, src.size_span());
+  copy(src, out);
+  return out;
+}
+
+}  // namespace qkv

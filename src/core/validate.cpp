@@ -1,0 +1,379 @@
+// Each check_* function looks at one aspect of a call and appends a reason per
+// problem (argument, expected, actual). Checks run even after earlier ones
+// fail, unless they depend on a shape that is already known to be wrong.
+#include "core/validate.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "core/elements.hpp"
+
+namespace qkv::detail {
+namespace {
+
+using Reasons = std::vector<std::string>;
+using std::to_string;
+
+std::string str(DType d) { return std::string(dtype_name(d)); }
+std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
+
+// A tensor argument: defined (if required), of the expected rank, backed by
+// memory when it has elements, and addressable. Returns whether later checks
+// may look at its sizes.
+bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
+  if (!t.defined()) {
+    r.push_back(std::string(name) + ": required tensor is undefined");
+    return false;
+  }
+  bool ok = true;
+  if (rank >= 0 && t.rank() != rank) {
+    r.push_back(std::string(name) + ": expected rank " + to_string(rank) + ", got rank " +
+                to_string(t.rank()) + " with sizes " + shape_of(t));
+    ok = false;
+  }
+  if (!extent_fits(t)) {
+    r.push_back(std::string(name) + ": sizes " + shape_of(t) + " with strides " +
+                shape_string(t.stride_span()) + " address more than 2^63 bytes");
+    return false;
+  }
+  if (t.data() == nullptr && t.numel() > 0) {
+    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
+                " elements (sizes " + shape_of(t) + ")");
+    ok = false;
+  }
+  return ok;
+}
+
+void check_dim(const char* name, ConstTensorView t, int d, const char* what,
+               std::int64_t expected, const std::string& source, Reasons& r) {
+  if (t.size(d) != expected) {
+    r.push_back(std::string(name) + ": expected " + what + " (dim " + to_string(d) + ") " +
+                to_string(expected) + " to match " + source + ", got " + to_string(t.size(d)) +
+                " (sizes " + shape_of(t) + ")");
+  }
+}
+
+void check_same_dtype(const char* name, ConstTensorView t, DType expected, Reasons& r) {
+  if (t.dtype() != expected) {
+    r.push_back(std::string(name) + ": expected dtype " + str(expected) +
+                " (the dtype of q), got " + str(t.dtype()));
+  }
+}
+
+void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const AttentionOptions& o,
+               AttentionProblem& p, Reasons& r) {
+  const bool q_ok = check_tensor("q", q, 4, r);
+  const bool k_ok = check_tensor("k", k, 4, r);
+  const bool v_ok = check_tensor("v", v, 4, r);
+  if (q.defined() && !is_floating(q.dtype())) {
+    r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
+  }
+  if (q.defined() && k.defined()) check_same_dtype("k", k, q.dtype(), r);
+  if (q.defined() && v.defined()) check_same_dtype("v", v, q.dtype(), r);
+  if (!(q_ok && k_ok && v_ok)) return;
+
+  p.batch = q.size(0);
+  p.nq = q.size(1);
+  p.hq = q.size(2);
+  p.dq = q.size(3);
+  p.nk = k.size(1);
+  p.hkv = k.size(2);
+  p.dk = k.size(3);
+  p.dv = v.size(3);
+  p.dtype = q.dtype();
+  p.stat_dtype = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+
+  const std::string qb = "q's batch " + to_string(p.batch);
+  check_dim("k", k, 0, "batch size", p.batch, qb, r);
+  check_dim("v", v, 0, "batch size", p.batch, qb, r);
+  check_dim("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
+  check_dim("v", v, 2, "KV heads", p.hkv, "k's " + to_string(p.hkv), r);
+  if (p.hkv == 0 && p.hq > 0) {
+    r.push_back("k: expected at least 1 KV head for " + to_string(p.hq) +
+                " query heads, got 0 (sizes " + shape_of(k) + ")");
+  } else if (p.hkv > 0 && p.hq % p.hkv != 0) {
+    r.push_back("q: query heads Hq = " + to_string(p.hq) +
+                " must be a multiple of the KV heads Hkv = " + to_string(p.hkv) +
+                " (grouped-query attention shares each KV head among Hq / Hkv query heads)");
+  }
+  if (o.score != Score::additive && p.dq != p.dk) {
+    r.push_back("k: expected head dim (dim 3) " + to_string(p.dq) + " to match q's, got " +
+                to_string(p.dk) + " (only Score::additive allows different q and k dims)");
+  }
+}
+
+void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Reasons& r) {
+  if (o.score != Score::scaled_dot && o.scale.has_value()) {
+    r.push_back("options.scale: only used by Score::scaled_dot, but score is " +
+                std::string(o.score == Score::dot ? "Score::dot" : "Score::additive") +
+                " (unset scale, or use Score::scaled_dot)");
+  }
+  if (o.score == Score::scaled_dot) {
+    if (o.scale.has_value()) {
+      if (!std::isfinite(*o.scale)) {
+        r.push_back("options.scale: expected a finite number, got " + to_string(*o.scale));
+      }
+      p.scale = *o.scale;
+    } else if (p.dk < 1) {
+      r.push_back("options.scale: the default 1/sqrt(Dk) needs Dk >= 1, got Dk = " +
+                  to_string(p.dk) + " (pass an explicit scale)");
+    } else {
+      p.scale = 1.0 / std::sqrt(static_cast<double>(p.dk));
+    }
+  }
+  const AdditiveScore& a = o.additive;
+  if (o.score != Score::additive) {
+    if (a.w_q.defined() || a.w_k.defined() || a.v.defined() || a.bias.defined()) {
+      r.push_back("options.additive: parameters given but score is not Score::additive");
+    }
+    return;
+  }
+  const bool wq_ok = check_tensor("options.additive.w_q", a.w_q, 2, r);
+  const bool wk_ok = check_tensor("options.additive.w_k", a.w_k, 2, r);
+  const bool v_ok = check_tensor("options.additive.v", a.v, 1, r);
+  const bool b_ok = !a.bias.defined() || check_tensor("options.additive.bias", a.bias, 1, r);
+  for (auto [name, t] : {std::pair{"options.additive.w_q", a.w_q}, {"options.additive.w_k", a.w_k},
+                         {"options.additive.v", a.v}, {"options.additive.bias", a.bias}}) {
+    if (t.defined()) check_same_dtype(name, t, dtype, r);
+  }
+  if (!(wq_ok && wk_ok && v_ok && b_ok)) return;
+  p.attention_size = a.w_q.size(0);
+  const std::string src = "w_q's attention size " + to_string(p.attention_size);
+  check_dim("options.additive.w_q", a.w_q, 1, "input size", p.dq, "q's head dim", r);
+  check_dim("options.additive.w_k", a.w_k, 0, "attention size", p.attention_size, src, r);
+  check_dim("options.additive.w_k", a.w_k, 1, "input size", p.dk, "k's head dim", r);
+  check_dim("options.additive.v", a.v, 0, "attention size", p.attention_size, src, r);
+  if (a.bias.defined()) {
+    check_dim("options.additive.bias", a.bias, 0, "attention size", p.attention_size, src, r);
+  }
+}
+
+void check_offsets(const char* name, std::span<const std::int64_t> cu, std::int64_t total,
+                   const char* tensor, Reasons& r) {
+  if (cu.size() < 2) {
+    r.push_back(std::string(name) + ": expected at least 2 offsets (S + 1 for S sequences), got " +
+                to_string(cu.size()));
+    return;
+  }
+  if (cu[0] != 0) r.push_back(std::string(name) + "[0]: expected 0, got " + to_string(cu[0]));
+  for (std::size_t s = 1; s < cu.size(); ++s) {
+    if (cu[s] < cu[s - 1]) {
+      r.push_back(std::string(name) + ": expected non-decreasing offsets, but [" + to_string(s) +
+                  "] = " + to_string(cu[s]) + " < [" + to_string(s - 1) +
+                  "] = " + to_string(cu[s - 1]));
+      return;
+    }
+  }
+  if (cu.back() != total) {
+    r.push_back(std::string(name) + ": expected the last offset to equal " + tensor +
+                "'s packed length " + to_string(total) + ", got " + to_string(cu.back()));
+  }
+}
+
+void check_sequences(const AttentionOptions& o, AttentionProblem& p, Reasons& r) {
+  const bool has_q = !o.cu_seqlens_q.empty();
+  const bool has_k = !o.cu_seqlens_k.empty();
+  p.sequences = p.batch;
+  if (has_q != has_k) {
+    r.push_back(std::string("options.cu_seqlens_") + (has_q ? "k" : "q") +
+                ": expected together with cu_seqlens_" + (has_q ? "q" : "k") +
+                " (packed batches need both), got none");
+    return;
+  }
+  if (has_q) {
+    p.varlen = true;
+    if (p.batch != 1) {
+      r.push_back("q: packed sequences (cu_seqlens) expect batch size 1, got " +
+                  to_string(p.batch));
+    }
+    if (o.cu_seqlens_q.size() != o.cu_seqlens_k.size()) {
+      r.push_back("options.cu_seqlens_k: expected " + to_string(o.cu_seqlens_q.size()) +
+                  " offsets like cu_seqlens_q, got " + to_string(o.cu_seqlens_k.size()));
+    }
+    const std::size_t before = r.size();
+    check_offsets("options.cu_seqlens_q", o.cu_seqlens_q, p.nq, "q", r);
+    check_offsets("options.cu_seqlens_k", o.cu_seqlens_k, p.nk, "k", r);
+    if (r.size() != before) return;
+    p.sequences = static_cast<std::int64_t>(o.cu_seqlens_q.size()) - 1;
+  }
+  if (o.key_lengths.empty()) return;
+  if (static_cast<std::int64_t>(o.key_lengths.size()) != p.sequences) {
+    r.push_back("options.key_lengths: expected one length per sequence (" +
+                to_string(p.sequences) + "), got " + to_string(o.key_lengths.size()));
+    return;
+  }
+  for (std::int64_t s = 0; s < p.sequences; ++s) {
+    const std::int64_t rows = p.varlen ? o.cu_seqlens_k[s + 1] - o.cu_seqlens_k[s] : p.nk;
+    const std::int64_t len = o.key_lengths[static_cast<std::size_t>(s)];
+    if (len < 0 || len > rows) {
+      r.push_back("options.key_lengths[" + to_string(s) + "]: expected a length in [0, " +
+                  to_string(rows) + "] (the keys of that sequence), got " + to_string(len));
+    }
+  }
+}
+
+void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
+  if (!o.mask.defined()) return;
+  if (!check_tensor("options.mask", o.mask, -1, r)) return;
+  const std::int64_t target[4] = {p.batch, p.hq, p.nq, p.nk};
+  const int rank = o.mask.rank();
+  for (int d = 0; d < rank; ++d) {
+    const std::int64_t want = target[4 - rank + d];
+    const std::int64_t got = o.mask.size(d);
+    if (got != want && got != 1) {
+      r.push_back("options.mask: sizes " + shape_of(o.mask) + " do not broadcast to [B, Hq, Nq, Nk] = " +
+                  shape_string(target) + ": dim " + to_string(d) + " is " + to_string(got) +
+                  ", expected " + to_string(want) + " or 1");
+      return;
+    }
+  }
+}
+
+void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType dtype,
+                     Reasons& r) {
+  if (o.window_left < -1) {
+    r.push_back("options.window_left: expected -1 (unbounded) or a size >= 0, got " +
+                to_string(o.window_left));
+  }
+  if (o.window_right < -1) {
+    r.push_back("options.window_right: expected -1 (unbounded) or a size >= 0, got " +
+                to_string(o.window_right));
+  }
+  if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap)) {
+    r.push_back("options.softcap: expected 0 (off) or a finite value > 0, got " +
+                to_string(o.softcap));
+  }
+  if (!o.alibi_slopes.empty()) {
+    const auto n = static_cast<std::int64_t>(o.alibi_slopes.size());
+    if (n != p.hq && n != p.batch * p.hq) {
+      r.push_back("options.alibi_slopes: expected Hq = " + to_string(p.hq) + " or B * Hq = " +
+                  to_string(p.batch * p.hq) + " slopes, got " + to_string(n));
+    }
+    for (std::size_t h = 0; h < o.alibi_slopes.size(); ++h) {
+      if (!std::isfinite(o.alibi_slopes[h])) {
+        r.push_back("options.alibi_slopes[" + to_string(h) + "]: expected a finite slope, got " +
+                    to_string(o.alibi_slopes[h]));
+        break;
+      }
+    }
+  }
+  const RelativePositionBias& rb = o.relative_bias;
+  if (!rb.table.defined()) return;
+  if (!check_tensor("options.relative_bias.table", rb.table, 2, r)) return;
+  check_same_dtype("options.relative_bias.table", rb.table, dtype, r);
+  check_dim("options.relative_bias.table", rb.table, 0, "heads", p.hq, "q's Hq", r);
+  const std::int64_t buckets = rb.table.size(1);
+  const std::int64_t per_side = rb.bidirectional ? buckets / 2 : buckets;
+  if (per_side < 2) {
+    r.push_back("options.relative_bias.table: expected at least " +
+                to_string(rb.bidirectional ? 4 : 2) + " buckets (dim 1), got " +
+                to_string(buckets));
+  } else if (rb.max_distance <= per_side / 2) {
+    r.push_back("options.relative_bias.max_distance: expected more than " +
+                to_string(per_side / 2) + " (the exact buckets), got " +
+                to_string(rb.max_distance));
+  }
+}
+
+void check_backend(const AttentionOptions& o, Reasons& r) {
+  if (o.backend == Backend::fast) {
+    r.push_back(
+        "options.backend: Backend::fast is not available in this build (use "
+        "Backend::automatic or Backend::reference)");
+  }
+}
+
+// An output view: defined, rank, sizes, dtype, backed, non-self-overlapping,
+// and disjoint from every input.
+void check_output(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
+                  DType dtype, std::span<const ConstTensorView> inputs,
+                  std::span<const char* const> input_names, Reasons& r) {
+  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return;
+  bool ok = true;
+  for (std::size_t d = 0; d < sizes.size(); ++d) ok = ok && t.size(static_cast<int>(d)) == sizes[d];
+  if (!ok) {
+    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
+                shape_of(t));
+  }
+  if (t.dtype() != dtype) {
+    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
+  }
+  if (const std::string reason = self_overlap_reason(t); !reason.empty()) {
+    r.push_back(std::string(name) + ": " + reason);
+  }
+  const ByteRange range = byte_range(t);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && range.overlaps(byte_range(inputs[i]))) {
+      r.push_back(std::string(name) + ": memory overlaps " + input_names[i] +
+                  " (outputs must not alias any input or other output)");
+    }
+  }
+}
+
+void throw_if(const Reasons& r) {
+  if (!r.empty()) throw Error(r);
+}
+
+}  // namespace
+
+SequenceExtent AttentionProblem::sequence(std::int64_t s, const AttentionOptions& o) const {
+  SequenceExtent e;
+  if (varlen) {
+    const auto i = static_cast<std::size_t>(s);
+    e.q_begin = o.cu_seqlens_q[i];
+    e.nq = o.cu_seqlens_q[i + 1] - e.q_begin;
+    e.k_begin = o.cu_seqlens_k[i];
+    e.nk_rows = o.cu_seqlens_k[i + 1] - e.k_begin;
+    e.batch = 0;
+  } else {
+    e.nq = nq;
+    e.nk_rows = nk;
+    e.batch = s;
+  }
+  e.nk = o.key_lengths.empty() ? e.nk_rows : o.key_lengths[static_cast<std::size_t>(s)];
+  return e;
+}
+
+AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                        const AttentionOptions& options) {
+  AttentionProblem p;
+  Reasons r;
+  check_qkv(q, k, v, options, p, r);
+  throw_if(r);  // everything below reads the sizes of q, k and v
+  check_score(options, p, q.dtype(), r);
+  check_sequences(options, p, r);
+  check_mask(options, p, r);
+  check_positions(options, p, q.dtype(), r);
+  check_backend(options, r);
+  throw_if(r);
+  return p;
+}
+
+void check_attention_outputs(const AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                             ConstTensorView v, const AttentionOptions& o,
+                             const AttentionOutputs& outputs) {
+  Reasons r;
+  const ConstTensorView inputs[] = {q,          k,          v,         o.mask,
+                                    o.additive.w_q, o.additive.w_k, o.additive.v,
+                                    o.additive.bias, o.relative_bias.table,
+                                    outputs.out, outputs.lse};
+  const char* const names[] = {"q", "k", "v", "options.mask", "options.additive.w_q",
+                               "options.additive.w_k", "options.additive.v",
+                               "options.additive.bias", "options.relative_bias.table", "out",
+                               "lse"};
+  const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
+  const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
+  const std::int64_t probs_sizes[] = {p.batch, p.hq, p.nq, p.nk};
+  // Each output is compared with the inputs and with the outputs before it.
+  check_output("out", outputs.out, out_sizes, p.dtype, std::span(inputs, 9), names, r);
+  if (outputs.lse.defined()) {
+    check_output("lse", outputs.lse, lse_sizes, p.stat_dtype, std::span(inputs, 10), names, r);
+  }
+  if (outputs.probs.defined()) {
+    check_output("probs", outputs.probs, probs_sizes, p.stat_dtype, std::span(inputs, 11), names,
+                 r);
+  }
+  throw_if(r);
+}
+
+}  // namespace qkv::detail
