@@ -3,6 +3,7 @@
 // fail, unless they depend on a shape that is already known to be wrong.
 #include "core/validate.hpp"
 
+#include <charconv>
 #include <cmath>
 #include <string>
 
@@ -16,6 +17,14 @@ using std::to_string;
 
 std::string str(DType d) { return std::string(dtype_name(d)); }
 std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
+
+// Shortest text that reads back as `x` ("-1e-09", "inf", "nan"): std::to_string
+// prints six fixed decimals, so a softcap of -1e-9 would read "-0.000000".
+template <class T>
+std::string num(T x) {
+  char text[32];
+  return {text, std::to_chars(text, text + sizeof text, x).ptr};
+}
 
 // A tensor argument: defined (if required), of the expected rank, backed by
 // memory when it has elements, and addressable. Returns whether later checks
@@ -33,7 +42,9 @@ bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
   }
   if (!extent_fits(t)) {
     r.push_back(std::string(name) + ": sizes " + shape_of(t) + " with strides " +
-                shape_string(t.stride_span()) + " address more than 2^63 bytes");
+                shape_string(t.stride_span()) +
+                " overflow int64: the element count or the byte offset of the last element "
+                "exceeds 2^63 - 1");
     return false;
   }
   if (t.data() == nullptr && t.numel() > 0) {
@@ -44,8 +55,8 @@ bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
   return ok;
 }
 
-void check_dim(const char* name, ConstTensorView t, int d, const char* what,
-               std::int64_t expected, const std::string& source, Reasons& r) {
+void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
+               const std::string& source, Reasons& r) {
   if (t.size(d) != expected) {
     r.push_back(std::string(name) + ": expected " + what + " (dim " + to_string(d) + ") " +
                 to_string(expected) + " to match " + source + ", got " + to_string(t.size(d)) +
@@ -65,11 +76,21 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
   const bool q_ok = check_tensor("q", q, 4, r);
   const bool k_ok = check_tensor("k", k, 4, r);
   const bool v_ok = check_tensor("v", v, 4, r);
-  if (q.defined() && !is_floating(q.dtype())) {
+  // k and v must match a floating q; when q is not floating, asking them to
+  // match it would suggest the wrong fix, so they are only checked alone.
+  const bool q_floating = q.defined() && is_floating(q.dtype());
+  if (q.defined() && !q_floating) {
     r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
   }
-  if (q.defined() && k.defined()) check_same_dtype("k", k, q.dtype(), r);
-  if (q.defined() && v.defined()) check_same_dtype("v", v, q.dtype(), r);
+  for (auto [name, t] : {std::pair{"k", k}, {"v", v}}) {
+    if (!t.defined()) continue;
+    if (q_floating) {
+      check_same_dtype(name, t, q.dtype(), r);
+    } else if (!is_floating(t.dtype())) {
+      r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " +
+                  str(t.dtype()));
+    }
+  }
   if (!(q_ok && k_ok && v_ok)) return;
 
   p.batch = q.size(0);
@@ -103,7 +124,8 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
 }
 
 void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Reasons& r) {
-  if (o.score != Score::scaled_dot && o.scale.has_value()) {
+  // An unknown score is reported by check_scalars.
+  if ((o.score == Score::dot || o.score == Score::additive) && o.scale.has_value()) {
     r.push_back("options.scale: only used by Score::scaled_dot, but score is " +
                 std::string(o.score == Score::dot ? "Score::dot" : "Score::additive") +
                 " (unset scale, or use Score::scaled_dot)");
@@ -111,7 +133,7 @@ void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Re
   if (o.score == Score::scaled_dot) {
     if (o.scale.has_value()) {
       if (!std::isfinite(*o.scale)) {
-        r.push_back("options.scale: expected a finite number, got " + to_string(*o.scale));
+        r.push_back("options.scale: expected a finite number, got " + num(*o.scale));
       }
       p.scale = *o.scale;
     } else if (p.dk < 1) {
@@ -132,8 +154,10 @@ void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Re
   const bool wk_ok = check_tensor("options.additive.w_k", a.w_k, 2, r);
   const bool v_ok = check_tensor("options.additive.v", a.v, 1, r);
   const bool b_ok = !a.bias.defined() || check_tensor("options.additive.bias", a.bias, 1, r);
-  for (auto [name, t] : {std::pair{"options.additive.w_q", a.w_q}, {"options.additive.w_k", a.w_k},
-                         {"options.additive.v", a.v}, {"options.additive.bias", a.bias}}) {
+  for (auto [name, t] : {std::pair{"options.additive.w_q", a.w_q},
+                         {"options.additive.w_k", a.w_k},
+                         {"options.additive.v", a.v},
+                         {"options.additive.bias", a.bias}}) {
     if (t.defined()) check_same_dtype(name, t, dtype, r);
   }
   if (!(wq_ok && wk_ok && v_ok && b_ok)) return;
@@ -186,11 +210,13 @@ void check_sequences(const AttentionOptions& o, AttentionProblem& p, Reasons& r)
       r.push_back("q: packed sequences (cu_seqlens) expect batch size 1, got " +
                   to_string(p.batch));
     }
+    // Any problem with the offsets, their count included, stops here: the
+    // key-length check below indexes cu_seqlens_k by cu_seqlens_q's sequences.
+    const std::size_t before = r.size();
     if (o.cu_seqlens_q.size() != o.cu_seqlens_k.size()) {
       r.push_back("options.cu_seqlens_k: expected " + to_string(o.cu_seqlens_q.size()) +
                   " offsets like cu_seqlens_q, got " + to_string(o.cu_seqlens_k.size()));
     }
-    const std::size_t before = r.size();
     check_offsets("options.cu_seqlens_q", o.cu_seqlens_q, p.nq, "q", r);
     check_offsets("options.cu_seqlens_k", o.cu_seqlens_k, p.nk, "k", r);
     if (r.size() != before) return;
@@ -198,8 +224,8 @@ void check_sequences(const AttentionOptions& o, AttentionProblem& p, Reasons& r)
   }
   if (o.key_lengths.empty()) return;
   if (static_cast<std::int64_t>(o.key_lengths.size()) != p.sequences) {
-    r.push_back("options.key_lengths: expected one length per sequence (" +
-                to_string(p.sequences) + "), got " + to_string(o.key_lengths.size()));
+    r.push_back("options.key_lengths: expected one length per sequence (" + to_string(p.sequences) +
+                "), got " + to_string(o.key_lengths.size()));
     return;
   }
   for (std::int64_t s = 0; s < p.sequences; ++s) {
@@ -221,16 +247,29 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
     const std::int64_t want = target[4 - rank + d];
     const std::int64_t got = o.mask.size(d);
     if (got != want && got != 1) {
-      r.push_back("options.mask: sizes " + shape_of(o.mask) + " do not broadcast to [B, Hq, Nq, Nk] = " +
-                  shape_string(target) + ": dim " + to_string(d) + " is " + to_string(got) +
-                  ", expected " + to_string(want) + " or 1");
+      r.push_back("options.mask: sizes " + shape_of(o.mask) +
+                  " do not broadcast to [B, Hq, Nq, Nk] = " + shape_string(target) + ": dim " +
+                  to_string(d) + " is " + to_string(got) + ", expected " + to_string(want) +
+                  " or 1");
       return;
     }
   }
 }
 
-void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType dtype,
-                     Reasons& r) {
+// Options that need no tensor shape. They run even when q, k or v are wrong,
+// so that one error lists these problems too.
+void check_scalars(const AttentionOptions& o, Reasons& r) {
+  // Enum values come from casts in bindings and config parsers; an unknown one
+  // would otherwise silently run as some other mode.
+  if (o.score > Score::additive) {
+    r.push_back(
+        "options.score: expected Score::scaled_dot, Score::dot or Score::additive, got value " +
+        to_string(static_cast<int>(o.score)));
+  }
+  if (o.align > Align::bottom_right) {
+    r.push_back("options.align: expected Align::top_left or Align::bottom_right, got value " +
+                to_string(static_cast<int>(o.align)));
+  }
   if (o.window_left < -1) {
     r.push_back("options.window_left: expected -1 (unbounded) or a size >= 0, got " +
                 to_string(o.window_left));
@@ -240,19 +279,37 @@ void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType
                 to_string(o.window_right));
   }
   if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap)) {
-    r.push_back("options.softcap: expected 0 (off) or a finite value > 0, got " +
-                to_string(o.softcap));
+    r.push_back("options.softcap: expected 0 (off) or a finite value > 0, got " + num(o.softcap));
   }
+  if (o.backend > Backend::fast) {
+    r.push_back(
+        "options.backend: expected Backend::automatic, Backend::reference or Backend::fast, got "
+        "value " +
+        to_string(static_cast<int>(o.backend)));
+  } else if (o.backend == Backend::fast) {
+    r.push_back(
+        "options.backend: Backend::fast is not available in this build (use "
+        "Backend::automatic or Backend::reference)");
+  }
+}
+
+void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType dtype,
+                     Reasons& r) {
   if (!o.alibi_slopes.empty()) {
+    // Per-sequence slopes follow the sequence index (the packed sequence in
+    // varlen mode). Divided rather than multiplied: with Nq = 0, B * Hq is not
+    // bounded by q's element count and may overflow.
     const auto n = static_cast<std::int64_t>(o.alibi_slopes.size());
-    if (n != p.hq && n != p.batch * p.hq) {
-      r.push_back("options.alibi_slopes: expected Hq = " + to_string(p.hq) + " or B * Hq = " +
-                  to_string(p.batch * p.hq) + " slopes, got " + to_string(n));
+    const bool per_sequence = p.hq > 0 && n % p.hq == 0 && n / p.hq == p.sequences;
+    if (n != p.hq && !per_sequence) {
+      r.push_back("options.alibi_slopes: expected Hq = " + to_string(p.hq) + " or " +
+                  (p.varlen ? "S" : "B") + " * Hq = " + to_string(p.sequences) + " * " +
+                  to_string(p.hq) + " slopes, got " + to_string(n));
     }
     for (std::size_t h = 0; h < o.alibi_slopes.size(); ++h) {
       if (!std::isfinite(o.alibi_slopes[h])) {
         r.push_back("options.alibi_slopes[" + to_string(h) + "]: expected a finite slope, got " +
-                    to_string(o.alibi_slopes[h]));
+                    num(o.alibi_slopes[h]));
         break;
       }
     }
@@ -272,14 +329,6 @@ void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType
     r.push_back("options.relative_bias.max_distance: expected more than " +
                 to_string(per_side / 2) + " (the exact buckets), got " +
                 to_string(rb.max_distance));
-  }
-}
-
-void check_backend(const AttentionOptions& o, Reasons& r) {
-  if (o.backend == Backend::fast) {
-    r.push_back(
-        "options.backend: Backend::fast is not available in this build (use "
-        "Backend::automatic or Backend::reference)");
   }
 }
 
@@ -339,12 +388,13 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   AttentionProblem p;
   Reasons r;
   check_qkv(q, k, v, options, p, r);
-  throw_if(r);  // everything below reads the sizes of q, k and v
+  const bool shapes_ok = r.empty();
+  check_scalars(options, r);
+  if (!shapes_ok) throw Error(r);  // everything below reads the sizes of q, k and v
   check_score(options, p, q.dtype(), r);
   check_sequences(options, p, r);
   check_mask(options, p, r);
   check_positions(options, p, q.dtype(), r);
-  check_backend(options, r);
   throw_if(r);
   return p;
 }
@@ -353,13 +403,27 @@ void check_attention_outputs(const AttentionProblem& p, ConstTensorView q, Const
                              ConstTensorView v, const AttentionOptions& o,
                              const AttentionOutputs& outputs) {
   Reasons r;
-  const ConstTensorView inputs[] = {q,          k,          v,         o.mask,
-                                    o.additive.w_q, o.additive.w_k, o.additive.v,
-                                    o.additive.bias, o.relative_bias.table,
-                                    outputs.out, outputs.lse};
-  const char* const names[] = {"q", "k", "v", "options.mask", "options.additive.w_q",
-                               "options.additive.w_k", "options.additive.v",
-                               "options.additive.bias", "options.relative_bias.table", "out",
+  const ConstTensorView inputs[] = {q,
+                                    k,
+                                    v,
+                                    o.mask,
+                                    o.additive.w_q,
+                                    o.additive.w_k,
+                                    o.additive.v,
+                                    o.additive.bias,
+                                    o.relative_bias.table,
+                                    outputs.out,
+                                    outputs.lse};
+  const char* const names[] = {"q",
+                               "k",
+                               "v",
+                               "options.mask",
+                               "options.additive.w_q",
+                               "options.additive.w_k",
+                               "options.additive.v",
+                               "options.additive.bias",
+                               "options.relative_bias.table",
+                               "out",
                                "lse"};
   const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
   const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
