@@ -6,17 +6,19 @@
 #include "qkv/error.hpp"
 
 int main(int argc, char** argv) {
+  // CLI11 does not wrap help text: lines are broken by hand to fit 80 columns.
   CLI::App app{
-      "qkv: attention mechanisms for CPUs (scaled-dot, additive, multi-head, masks, "
-      "position biases).",
+      "qkv: attention mechanisms for CPUs\n"
+      "(scaled-dot, additive, multi-head, masks, position biases).",
       "qkv"};
   app.require_subcommand(1);
 
-  CLI::App* demo = app.add_subcommand(
-      "demo",
-      "Run built-in examples (self-attention over a short sentence with sinusoidal positions, "
-      "cross-attention, causal, padded batch), print their checks and a heatmap of attention "
-      "weights. Exits non-zero if a check fails.");
+  CLI::App* demo = app.add_subcommand("demo", "Run built-in examples and check their results");
+  demo->footer(
+      "Self-attention over a short sentence with sinusoidal positions,\n"
+      "cross-attention, causal attention and a padded batch, on built-in data.\n"
+      "Prints each example's checks and a heatmap of its attention weights;\n"
+      "exits 1 if a check fails.");
   bool color = false;
   demo->add_flag("--color", color, "Shade the heatmap with ANSI colours");
 
