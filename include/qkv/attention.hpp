@@ -79,37 +79,36 @@ struct AdditiveScore {
 // T5-style learned relative position bias: table[h, bucket(j - p_i)], with the
 // bucket function of `t5_relative_bucket` (qkv/positional.hpp).
 struct RelativePositionBias {
-  ConstTensorView table;           // [Hq, num_buckets]; undefined = off
+  ConstTensorView table;            // [Hq, num_buckets]; undefined = off
   std::int64_t max_distance = 128;  // distance at which buckets stop growing
   bool bidirectional = true;        // false: all keys after the query share bucket 0
 };
 
 // score_mod(score, b, h, i, j) -> new score; mask_mod(b, h, i, j) -> keep?
-using ScoreMod =
-    std::function<double(double score, std::int64_t b, std::int64_t h, std::int64_t i,
-                         std::int64_t j)>;
+using ScoreMod = std::function<double(double score, std::int64_t b, std::int64_t h, std::int64_t i,
+                                      std::int64_t j)>;
 using MaskMod = std::function<bool(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j)>;
 
 // Options of qkv::attention. Every field has a default that means "off".
 struct AttentionOptions {
-  Score score = Score::scaled_dot;      // how f(q, k) is computed
-  std::optional<double> scale;          // Score::scaled_dot only; default 1/sqrt(Dk)
-  AdditiveScore additive;               // Score::additive only
-  bool causal = false;                  // drop keys after the query's position
-  Align align = Align::bottom_right;    // query positions for causal, window, ALiBi, bias
-  std::int64_t window_left = -1;        // keys at most this far before p_i; -1 = unbounded
-  std::int64_t window_right = -1;       // keys at most this far after p_i; -1 = unbounded
+  Score score = Score::scaled_dot;             // how f(q, k) is computed
+  std::optional<double> scale;                 // Score::scaled_dot only; default 1/sqrt(Dk)
+  AdditiveScore additive;                      // Score::additive only
+  bool causal = false;                         // drop keys after the query's position
+  Align align = Align::bottom_right;           // query positions for causal, window, ALiBi, bias
+  std::int64_t window_left = -1;               // keys at most this far before p_i; -1 = unbounded
+  std::int64_t window_right = -1;              // keys at most this far after p_i; -1 = unbounded
   std::span<const std::int64_t> key_lengths;   // [B] valid keys per sequence; empty = all
   std::span<const std::int64_t> cu_seqlens_q;  // [S + 1] packed query offsets; empty = dense
   std::span<const std::int64_t> cu_seqlens_k;  // [S + 1] packed key offsets; with cu_seqlens_q
   ConstTensorView mask;  // bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]
-  std::span<const float> alibi_slopes;  // [Hq] or [B * Hq] (row-major); empty = off
-  RelativePositionBias relative_bias;   // learned bias by relative position; off by default
-  double softcap = 0.0;                 // c > 0 applies c * tanh(s / c); 0 = off
-  ScoreMod score_mod;                   // empty = identity
-  MaskMod mask_mod;                     // empty = keep all
+  std::span<const float> alibi_slopes;   // [Hq], or [B * Hq] ([S * Hq] packed); empty = off
+  RelativePositionBias relative_bias;    // learned bias by relative position; off by default
+  double softcap = 0.0;                  // c > 0 applies c * tanh(s / c); 0 = off
+  ScoreMod score_mod;                    // empty = identity
+  MaskMod mask_mod;                      // empty = keep all
   Backend backend = Backend::automatic;  // which implementation runs
-  bool return_lse = false;    // allocating overload: also return lse
+  bool return_lse = false;               // allocating overload: also return lse
   bool return_probs = false;  // allocating overload: also return probs (B*Hq*Nq*Nk values)
 };
 

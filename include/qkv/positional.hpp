@@ -22,7 +22,7 @@ Tensor sinusoidal_positions(std::int64_t n, std::int64_t d, double base = 10000.
 // all fall in bucket 0. Within each half, the first half of the buckets are
 // exact distances, the rest grow logarithmically up to `max_distance`.
 // Throws qkv::Error unless num_buckets >= 2 (>= 4 if bidirectional) and
-// max_distance >= the number of exact buckets.
+// max_distance > the number of exact buckets.
 std::int64_t t5_relative_bucket(std::int64_t relative_position, std::int64_t num_buckets,
                                 std::int64_t max_distance, bool bidirectional);
 

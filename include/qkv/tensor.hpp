@@ -29,6 +29,9 @@ namespace qkv {
 inline constexpr int kMaxRank = 4;
 using Shape = std::array<std::int64_t, kMaxRank>;
 
+// Stores `value`, rounded to `dtype` (RNE), at element `offset` of `data`.
+void store_element(void* data, DType dtype, std::int64_t offset, double value);
+
 // Row-major strides of a contiguous tensor with the given sizes.
 Shape contiguous_strides(std::span<const std::int64_t> sizes);
 // "[2, 5, 3, 8]".
@@ -64,20 +67,20 @@ class BasicTensorView {
 
   // Typed conveniences: the dtype follows from the element type.
   template <class T>
-    requires(!std::is_void_v<T> && (Const || !std::is_const_v<T>))
-  BasicTensorView(T* data, std::initializer_list<std::int64_t> sizes)
+  requires(!std::is_void_v<T> && (Const || !std::is_const_v<T>))
+      BasicTensorView(T* data, std::initializer_list<std::int64_t> sizes)
       : BasicTensorView(static_cast<Pointer>(data), dtype_of_v<std::remove_const_t<T>>, sizes) {}
   template <class T>
-    requires(!std::is_void_v<T> && (Const || !std::is_const_v<T>))
-  BasicTensorView(T* data, std::initializer_list<std::int64_t> sizes,
-                  std::initializer_list<std::int64_t> strides)
+  requires(!std::is_void_v<T> && (Const || !std::is_const_v<T>))
+      BasicTensorView(T* data, std::initializer_list<std::int64_t> sizes,
+                      std::initializer_list<std::int64_t> strides)
       : BasicTensorView(static_cast<Pointer>(data), dtype_of_v<std::remove_const_t<T>>, sizes,
                         strides) {}
 
   // A mutable view converts to a read-only one.
   template <bool OtherConst>
-    requires(Const && !OtherConst)
-  BasicTensorView(const BasicTensorView<OtherConst>& other)  // NOLINT: implicit by design
+  requires(Const && !OtherConst)
+      BasicTensorView(const BasicTensorView<OtherConst>& other)  // NOLINT: implicit by design
       : data_(other.data()),
         dtype_(other.dtype()),
         rank_(other.rank()),
@@ -111,9 +114,12 @@ class BasicTensorView {
   // Reads element `index` (one index per dimension) as double. Bounds-checked;
   // meant for tests and small tools, not for inner loops.
   double get(std::initializer_list<std::int64_t> index) const;
-  // Writes `value` (rounded to the dtype, RNE). Bounds-checked.
-  void set(std::initializer_list<std::int64_t> index, double value) const
-    requires(!Const);
+  // Writes `value` (rounded to the dtype, RNE). Bounds-checked. (A member
+  // template, so the read-only view never instantiates it.)
+  template <bool C = Const>
+  requires(!C) void set(std::initializer_list<std::int64_t> index, double value) const {
+    store_element(data_, dtype_, offset_of(index), value);
+  }
 
  private:
   int axis(int d) const { return d < 0 ? d + rank_ : d; }
@@ -153,8 +159,8 @@ class Tensor {
 
   TensorView view() { return view_; }
   ConstTensorView view() const { return view_; }
-  operator TensorView() { return view_; }              // NOLINT: implicit by design
-  operator ConstTensorView() const { return view_; }   // NOLINT: implicit by design
+  operator TensorView() { return view_; }             // NOLINT: implicit by design
+  operator ConstTensorView() const { return view_; }  // NOLINT: implicit by design
 
   // Typed pointer to the first element; throws qkv::Error if T does not match.
   template <class T>

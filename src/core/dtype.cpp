@@ -10,22 +10,32 @@ namespace qkv {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::f16: return 2;
-    case DType::bf16: return 2;
-    case DType::boolean: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::f16:
+      return 2;
+    case DType::bf16:
+      return 2;
+    case DType::boolean:
+      return 1;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::boolean: return "bool";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::boolean:
+      return "bool";
   }
   return "?";
 }
@@ -41,8 +51,8 @@ namespace {
 double round_to_format(double x, int precision, int emin, int emax) {
   if (!std::isfinite(x) || x == 0.0) return x;
   int e = 0;
-  std::frexp(x, &e);                              // |x| = m * 2^e, m in [0.5, 1)
-  const int exponent = std::max(e - 1, emin);     // exponent of the leading bit
+  std::frexp(x, &e);                           // |x| = m * 2^e, m in [0.5, 1)
+  const int exponent = std::max(e - 1, emin);  // exponent of the leading bit
   const int quantum_exp = exponent - (precision - 1);
   // Scaling by a power of two is exact; nearbyint rounds half to even in the
   // default rounding mode.

@@ -1,7 +1,7 @@
 #include "core/elements.hpp"
 
-#include <utility>
 #include <array>
+#include <utility>
 
 namespace qkv::detail {
 

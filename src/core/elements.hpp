@@ -14,11 +14,16 @@ namespace qkv::detail {
 // Value of element `offset` (in elements) of `data` as double.
 inline double load(const void* data, DType dtype, std::int64_t offset) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(data)[offset];
-    case DType::f64: return static_cast<const double*>(data)[offset];
-    case DType::f16: return to_float(static_cast<const f16*>(data)[offset]);
-    case DType::bf16: return to_float(static_cast<const bf16*>(data)[offset]);
-    case DType::boolean: return static_cast<const std::uint8_t*>(data)[offset] != 0 ? 1.0 : 0.0;
+    case DType::f32:
+      return static_cast<const float*>(data)[offset];
+    case DType::f64:
+      return static_cast<const double*>(data)[offset];
+    case DType::f16:
+      return to_float(static_cast<const f16*>(data)[offset]);
+    case DType::bf16:
+      return to_float(static_cast<const bf16*>(data)[offset]);
+    case DType::boolean:
+      return static_cast<const std::uint8_t*>(data)[offset] != 0 ? 1.0 : 0.0;
   }
   return 0.0;
 }
@@ -26,11 +31,21 @@ inline double load(const void* data, DType dtype, std::int64_t offset) {
 // Stores `value` rounded once (RNE) to `dtype`.
 inline void store(void* data, DType dtype, std::int64_t offset, double value) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(data)[offset] = static_cast<float>(value); return;
-    case DType::f64: static_cast<double*>(data)[offset] = value; return;
-    case DType::f16: static_cast<f16*>(data)[offset] = to_f16(value); return;
-    case DType::bf16: static_cast<bf16*>(data)[offset] = to_bf16(value); return;
-    case DType::boolean: static_cast<std::uint8_t*>(data)[offset] = value != 0.0; return;
+    case DType::f32:
+      static_cast<float*>(data)[offset] = static_cast<float>(value);
+      return;
+    case DType::f64:
+      static_cast<double*>(data)[offset] = value;
+      return;
+    case DType::f16:
+      static_cast<f16*>(data)[offset] = to_f16(value);
+      return;
+    case DType::bf16:
+      static_cast<bf16*>(data)[offset] = to_bf16(value);
+      return;
+    case DType::boolean:
+      static_cast<std::uint8_t*>(data)[offset] = value != 0.0;
+      return;
   }
 }
 

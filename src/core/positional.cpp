@@ -23,7 +23,8 @@ Tensor sinusoidal_positions(std::int64_t n, std::int64_t d, double base, DType d
   Tensor pe(dtype, {n, d});
   for (std::int64_t pos = 0; pos < n; ++pos) {
     for (std::int64_t c = 0; c < d; ++c) {
-      const double frequency = std::pow(base, -static_cast<double>(c - c % 2) / static_cast<double>(d));
+      const double frequency =
+          std::pow(base, -static_cast<double>(c - c % 2) / static_cast<double>(d));
       const double angle = static_cast<double>(pos) * frequency;
       pe.set({pos, c}, c % 2 == 0 ? std::sin(angle) : std::cos(angle));
     }

@@ -14,7 +14,9 @@ Shape contiguous_strides(std::span<const std::int64_t> sizes) {
   std::int64_t stride = 1;
   for (std::size_t d = sizes.size(); d-- > 0;) {
     if (d < strides.size()) strides[d] = stride;
-    stride *= sizes[d] > 0 ? sizes[d] : 1;
+    if (__builtin_mul_overflow(stride, sizes[d] > 0 ? sizes[d] : 1, &stride)) {
+      throw Error("tensor sizes " + shape_string(sizes) + ": element count overflows int64");
+    }
   }
   return strides;
 }
@@ -132,11 +134,8 @@ double BasicTensorView<Const>::get(std::initializer_list<std::int64_t> index) co
   return detail::load(data_, dtype_, offset_of(index));
 }
 
-template <bool Const>
-void BasicTensorView<Const>::set(std::initializer_list<std::int64_t> index, double value) const
-  requires(!Const)
-{
-  detail::store(data_, dtype_, offset_of(index), value);
+void store_element(void* data, DType dtype, std::int64_t offset, double value) {
+  detail::store(data, dtype, offset, value);
 }
 
 template class BasicTensorView<true>;
@@ -147,7 +146,11 @@ void Tensor::Free::operator()(void* p) const { std::free(p); }
 Tensor::Tensor(DType dtype, std::span<const std::int64_t> sizes) {
   // Validate through the view constructor before allocating.
   TensorView shape(nullptr, dtype, sizes);
-  const std::int64_t bytes = shape.numel() * static_cast<std::int64_t>(dtype_size(dtype));
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(shape.numel(), static_cast<std::int64_t>(dtype_size(dtype)), &bytes)) {
+    throw Error("Tensor: sizes " + shape_string(sizes) + " of " + std::string(dtype_name(dtype)) +
+                " need more than 2^63 bytes");
+  }
   const std::size_t rounded = (static_cast<std::size_t>(bytes) + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
   if (p == nullptr) throw std::bad_alloc();
@@ -187,8 +190,9 @@ void copy(ConstTensorView src, TensorView dst) {
     throw Error("copy: dst " + reason);
   }
   detail::for_each_index(src.sizes(), src.rank(), [&](const Shape& idx) {
-    detail::store(dst.data(), dst.dtype(), detail::offset(idx, dst.strides(), dst.rank()),
-                  detail::load(src.data(), src.dtype(), detail::offset(idx, src.strides(), src.rank())));
+    detail::store(
+        dst.data(), dst.dtype(), detail::offset(idx, dst.strides(), dst.rank()),
+        detail::load(src.data(), src.dtype(), detail::offset(idx, src.strides(), src.rank())));
   });
 }
 

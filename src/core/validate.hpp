@@ -34,8 +34,8 @@ struct AttentionProblem {
   std::int64_t dv = 0;
   std::int64_t attention_size = 0;  // A of the additive score
   bool varlen = false;
-  double scale = 1.0;           // multiplies <q, k> (1 for Score::dot)
-  DType dtype = DType::f32;     // of q, k, v and out
+  double scale = 1.0;             // multiplies <q, k> (1 for Score::dot)
+  DType dtype = DType::f32;       // of q, k, v and out
   DType stat_dtype = DType::f32;  // of lse and probs
 
   std::int64_t group() const { return hkv == 0 ? 0 : hq / hkv; }
@@ -48,8 +48,8 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
 
 // Checks caller-provided outputs against a validated problem; throws
 // qkv::Error listing every problem.
-void check_attention_outputs(const AttentionProblem& problem, ConstTensorView q,
-                             ConstTensorView k, ConstTensorView v,
-                             const AttentionOptions& options, const AttentionOutputs& outputs);
+void check_attention_outputs(const AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
+                             ConstTensorView v, const AttentionOptions& options,
+                             const AttentionOutputs& outputs);
 
 }  // namespace qkv::detail

@@ -19,8 +19,8 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 // Element (a, b, c, d) of a rank-4 view.
 double at4(ConstTensorView t, std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d) {
-  return load(t.data(), t.dtype(), a * t.stride(0) + b * t.stride(1) + c * t.stride(2) +
-                                       d * t.stride(3));
+  return load(t.data(), t.dtype(),
+              a * t.stride(0) + b * t.stride(1) + c * t.stride(2) + d * t.stride(3));
 }
 
 // Element [b, h, i, j] of a mask broadcast (right-aligned) to [B, Hq, Nq, Nk].
@@ -69,10 +69,10 @@ struct HeadContext {
   const AttentionProblem& p;
   const AttentionOptions& o;
   SequenceExtent seq;
-  std::int64_t s = 0;  // sequence index
-  std::int64_t h = 0;  // query head
-  const std::vector<double>& keys;        // [nk_rows][Dk]
-  const std::vector<double>& key_proj;    // additive: [nk_rows][A] = k W_k^T
+  std::int64_t s = 0;                        // sequence index
+  std::int64_t h = 0;                        // query head
+  const std::vector<double>& keys;           // [nk_rows][Dk]
+  const std::vector<double>& key_proj;       // additive: [nk_rows][A] = k W_k^T
   const std::vector<double>& additive_v;     // additive: v [A]
   const std::vector<double>& additive_bias;  // additive: bias [A] (zeros if absent)
 };
@@ -117,14 +117,14 @@ double score(const HeadContext& c, const std::vector<double>& query, std::int64_
   const std::int64_t pos = query_position(c, i);
   if (!o.alibi_slopes.empty()) {
     const bool per_batch = static_cast<std::int64_t>(o.alibi_slopes.size()) != c.p.hq;
-    const double slope = o.alibi_slopes[static_cast<std::size_t>(per_batch ? c.s * c.p.hq + c.h : c.h)];
+    const double slope =
+        o.alibi_slopes[static_cast<std::size_t>(per_batch ? c.s * c.p.hq + c.h : c.h)];
     s += -slope * static_cast<double>(std::llabs(pos - j));
   }
   if (o.relative_bias.table.defined()) {
     const ConstTensorView table = o.relative_bias.table;
-    const std::int64_t bucket = t5_relative_bucket(j - pos, table.size(1),
-                                                   o.relative_bias.max_distance,
-                                                   o.relative_bias.bidirectional);
+    const std::int64_t bucket = t5_relative_bucket(
+        j - pos, table.size(1), o.relative_bias.max_distance, o.relative_bias.bidirectional);
     s += load(table.data(), table.dtype(), c.h * table.stride(0) + bucket * table.stride(1));
   }
   if (o.mask.defined() && o.mask.dtype() != DType::boolean) {

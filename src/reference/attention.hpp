@@ -10,7 +10,6 @@ namespace qkv::reference {
 
 // Writes out (and lse, probs when defined) for a validated problem.
 void attention(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
-               ConstTensorView v, const AttentionOutputs& outputs,
-               const AttentionOptions& options);
+               ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options);
 
 }  // namespace qkv::reference

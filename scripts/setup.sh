@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian packages qkv needs to build and test, only those that
+# are missing (so a second run does nothing). Safe to run repeatedly.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ pkg-config clang-format
+  libhwy-dev          # Highway: SIMD with runtime dispatch
+  libomp-dev          # OpenMP headers (GCC's libgomp comes with g++)
+  libgtest-dev libgmock-dev
+  libbenchmark-dev    # Google Benchmark
+  libcli11-dev        # command line parsing for the qkv tool
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
