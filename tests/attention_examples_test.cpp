@@ -36,8 +36,10 @@ TEST(AttentionExamples, F32OutputIsTheRoundedExactResult) {
   float q[] = {1, 0};
   float k[] = {1, 0, 0, 1};
   float v[] = {1, 2, 3, 4};
+  qkv::AttentionOptions opt;
+  opt.backend = qkv::Backend::reference;
   const auto r = qkv::attention(ConstTensorView(q, {1, 1, 1, 2}), ConstTensorView(k, {1, 2, 1, 2}),
-                                ConstTensorView(v, {1, 2, 1, 2}));
+                                ConstTensorView(v, {1, 2, 1, 2}), opt);
   const double w = 0.6697615493266569;
   EXPECT_EQ(r.out.data<float>()[0], static_cast<float>(1 * w + 3 * (1 - w)));
   EXPECT_EQ(r.out.data<float>()[1], static_cast<float>(2 * w + 4 * (1 - w)));

@@ -1,5 +1,5 @@
 // Properties of the math that every attention must satisfy, checked on the
-// reference backend with random data. Inputs are f64 so differences measure
+// reference backend (the specification) with random data. Inputs are f64 so differences measure
 // the semantics, not rounding: the bounds are a few ulps of double, and
 // "exact" comparisons are used where both sides do the same operations.
 #include <gtest/gtest.h>
@@ -34,6 +34,7 @@ Qkv random_qkv(std::int64_t b, std::int64_t nq, std::int64_t nk, std::int64_t hq
 }
 
 qkv::AttentionResult run(const Qkv& x, qkv::AttentionOptions opt) {
+  opt.backend = qkv::Backend::reference;  // these tests state the specification
   opt.return_lse = true;
   opt.return_probs = true;
   return qkv::attention(x.q, x.k, x.v, opt);
@@ -423,6 +424,7 @@ TEST(AttentionProperties, StridedViewsEqualContiguousCopies) {
   Tensor out_bhnd(DType::f32, {2, 4, 7, 6});
   Tensor lse(DType::f32, {2, 4, 7});
   qkv::AttentionOptions opt;
+  opt.backend = qkv::Backend::reference;
   opt.causal = true;
   qkv::attention_into(q_bhnd.view().transpose(1, 2), k_bhnd.view().transpose(1, 2),
                       v_bhnd.view().transpose(1, 2),
@@ -460,7 +462,9 @@ TEST(AttentionProperties, AttentionIntoMatchesAllocatingCall) {
   Tensor out(DType::f32, {2, 5, 4, 8});
   Tensor lse(DType::f32, {2, 4, 5});
   Tensor probs(DType::f32, {2, 4, 5, 6});
-  qkv::attention_into(x.q, x.k, x.v, {out, lse, probs});
+  qkv::AttentionOptions opt;
+  opt.backend = qkv::Backend::reference;
+  qkv::attention_into(x.q, x.k, x.v, {out, lse, probs}, opt);
   const auto r = run(x, {});
   EXPECT_EQ(max_abs_diff(out, r.out), 0.0);
   EXPECT_EQ(max_abs_diff(lse, r.lse), 0.0);

@@ -1,4 +1,4 @@
-// Half-precision inputs: the reference computes in double and rounds once, so
+// Half-precision inputs on the reference backend: it computes in double and rounds once, so
 // (1) its f16/bf16 output is exactly the rounding of the f64 result on the
 // same (widened) inputs, and (2) it differs from the f32-input result by no
 // more than what rounding the inputs can cause. For (2), with unit roundoff u
@@ -47,6 +47,7 @@ TEST_P(HalfInputs, OutputIsTheExactResultRoundedOnce) {
   const Tensor k = qkv::test::random_tensor(dtype, {2, 17, 2, 24}, 32);
   const Tensor v = qkv::test::random_tensor(dtype, {2, 17, 2, 24}, 33);
   qkv::AttentionOptions opt;
+  opt.backend = qkv::Backend::reference;
   opt.causal = true;
   const Tensor out = qkv::attention(q, k, v, opt).out;
   const Tensor exact = qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
@@ -64,8 +65,10 @@ TEST_P(HalfInputs, AgreesWithF32WithinInputRounding) {
   const Tensor v32 = qkv::test::random_tensor(DType::f32, {1, nk, 1, d}, 43);
   const Tensor q = qkv::to_dtype(q32, dtype), k = qkv::to_dtype(k32, dtype),
                v = qkv::to_dtype(v32, dtype);
-  const Tensor out32 = qkv::attention(q32, k32, v32).out;
-  const Tensor out = qkv::attention(q, k, v).out;
+  qkv::AttentionOptions opt;
+  opt.backend = qkv::Backend::reference;
+  const Tensor out32 = qkv::attention(q32, k32, v32, opt).out;
+  const Tensor out = qkv::attention(q, k, v, opt).out;
   const double scale = 1.0 / std::sqrt(double(d));
   for (std::int64_t i = 0; i < nq; ++i) {
     double e_max = 0.0;

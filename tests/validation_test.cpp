@@ -311,9 +311,9 @@ const std::vector<BadCase>& bad_cases() {
       {"additive_dtype",
        [](Call& c) {
          c.use_additive();
-         c.options.additive.w_k = c.tensor(DType::f64, {3, 8});
+         c.options.additive.w_k = c.tensor(DType::boolean, {3, 8});
        },
-       {"options.additive.w_k: expected dtype f32 (the dtype of q), got f64"}},
+       {"options.additive.w_k: expected dtype f32, f64, f16 or bf16, got bool"}},
       {"additive_params_with_scaled_dot",
        [](Call& c) {
          c.use_additive();
@@ -342,9 +342,14 @@ const std::vector<BadCase>& bad_cases() {
       {"align_out_of_range",
        [](Call& c) { c.options.align = static_cast<qkv::Align>(9); },
        {"options.align", "got value 9"}},
-      {"backend_fast",
-       [](Call& c) { c.options.backend = qkv::Backend::fast; },
-       {"options.backend: Backend::fast is not available", "Backend::reference"}},
+      {"backend_fast_with_f64",
+       [](Call& c) {
+         c.q = c.tensor(DType::f64, {2, 5, 4, 8});
+         c.k = c.tensor(DType::f64, {2, 7, 2, 8});
+         c.v = c.tensor(DType::f64, {2, 7, 2, 8});
+         c.options.backend = qkv::Backend::fast;
+       },
+       {"options.backend: Backend::fast computes in f32", "got f64", "Backend::reference"}},
       {"backend_out_of_range",
        [](Call& c) { c.options.backend = static_cast<qkv::Backend>(5); },
        {"options.backend", "got value 5"}},
@@ -491,9 +496,9 @@ const std::vector<BadCase>& bad_cases() {
        {"options.relative_bias.max_distance: expected more than 8", "got 8"}},
       {"relative_bias_dtype",
        [](Call& c) {
-         c.options.relative_bias.table = c.tensor(DType::f16, {4, 32});
+         c.options.relative_bias.table = c.tensor(DType::boolean, {4, 32});
        },
-       {"options.relative_bias.table: expected dtype f32 (the dtype of q), got f16"}},
+       {"options.relative_bias.table: expected dtype f32, f64, f16 or bf16, got bool"}},
       {"relative_bias_rank",
        [](Call& c) { c.options.relative_bias.table = c.tensor(DType::f32, {128}); },
        {"options.relative_bias.table: expected rank 2, got rank 1"}},
@@ -685,13 +690,13 @@ TEST(ValidationTest, ListsEveryOptionProblemInOneError) {
   call.options.softcap = -1.0;
   call.options.key_lengths = call.list<std::int64_t>({9, 9});
   call.options.alibi_slopes = call.list<float>({1, 1, 1});
-  call.options.backend = qkv::Backend::fast;
+  call.options.align = static_cast<qkv::Align>(9);
   const std::optional<qkv::Error> error = error_of(call);
   ASSERT_TRUE(error);
   expect_listed(*error, 6);  // two key lengths are out of range
   expect_contains(error->what(),
                   {"options.window_left", "options.softcap", "options.key_lengths[0]",
-                   "options.key_lengths[1]", "options.alibi_slopes", "options.backend"});
+                   "options.key_lengths[1]", "options.alibi_slopes", "options.align"});
 }
 
 // Options that need no shape are reported together with shape problems.

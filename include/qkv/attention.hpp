@@ -122,9 +122,9 @@ struct AttentionResult {
 // Caller-provided outputs. `out` is required; `lse` and `probs` are computed
 // only when defined. Outputs must not overlap the inputs or each other.
 struct AttentionOutputs {
-  TensorView out;    // [B, Nq, Hq, Dv], dtype of q, any strides
-  TensorView lse;    // [B, Hq, Nq], f32 (f64 for f64 inputs)
-  TensorView probs;  // [B, Hq, Nq, Nk], f32 (f64 for f64 inputs)
+  TensorView out = {};    // [B, Nq, Hq, Dv], dtype of q, any strides
+  TensorView lse = {};    // [B, Hq, Nq], f32 (f64 for f64 inputs)
+  TensorView probs = {};  // [B, Hq, Nq, Nk], f32 (f64 for f64 inputs)
 };
 
 // Computes attention and returns freshly allocated outputs.

@@ -2,36 +2,134 @@
 #include "qkv/attention.hpp"
 
 #include "core/validate.hpp"
+#include "cpu/flash.hpp"
+#include "qkv/flex.hpp"
 #include "reference/attention.hpp"
 
 namespace qkv {
 namespace {
 
+// Tile hooks that call the std::function options element by element (the
+// flex_attention templates provide inlined ones instead).
+struct FunctionMods {
+  static void score(const void* context, const detail::ScoreBlock& t) {
+    const ScoreMod& f = static_cast<const AttentionOptions*>(context)->score_mod;
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      for (std::int64_t c = 0; c < t.cols; ++c) {
+        float& s = t.scores[r * t.ld + c];
+        s = static_cast<float>(f(s, t.b, t.h, t.i0 + r, t.j0 + c));
+      }
+    }
+  }
+  static void mask(const void* context, const detail::ScoreBlock& t) {
+    const MaskMod& f = static_cast<const AttentionOptions*>(context)->mask_mod;
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      for (std::int64_t c = 0; c < t.cols; ++c) {
+        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) {
+          t.scores[r * t.ld + c] = -std::numeric_limits<float>::infinity();
+        }
+      }
+    }
+  }
+  static std::int64_t admitted(const void* context, const detail::ScoreBlock& t) {
+    const MaskMod& f = static_cast<const AttentionOptions*>(context)->mask_mod;
+    std::int64_t n = 0;
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      for (std::int64_t c = 0; c < t.cols; ++c) n += f(t.b, t.h, t.i0 + r, t.j0 + c) ? 1 : 0;
+    }
+    return n;
+  }
+  static detail::TileMods of(const AttentionOptions& o) {
+    detail::TileMods m;
+    m.context = &o;
+    if (o.score_mod) m.score_mod = &score;
+    if (o.mask_mod) {
+      m.mask_mod = &mask;
+      m.admitted = &admitted;
+    }
+    return m;
+  }
+};
+
+bool use_fast(const detail::AttentionProblem& p, const AttentionOptions& o) {
+  switch (o.backend) {
+    case Backend::reference:
+      return false;
+    case Backend::fast:
+      return true;  // validation rejected what it cannot run
+    case Backend::automatic:
+      return p.dtype != DType::f64;
+  }
+  return false;
+}
+
+// `mods` are the tile hooks of the options' callables; null means "derive
+// them from the std::function options".
 void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
-         ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options) {
-  // Backend::fast is rejected by validation until the fused kernels exist, so
-  // every call runs the reference.
-  reference::attention(problem, q, k, v, outputs, options);
+         ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
+         const detail::TileMods* mods) {
+  if (!use_fast(problem, options)) {
+    reference::attention(problem, q, k, v, outputs, options);
+    return;
+  }
+  const detail::TileMods function_mods = FunctionMods::of(options);
+  // The probabilities pass needs the lse even when the caller did not ask.
+  Tensor lse_scratch;
+  TensorView lse = outputs.lse;
+  if (!lse.defined()) {
+    lse_scratch = Tensor(DType::f32, {problem.batch, problem.hq, problem.nq});
+    lse = lse_scratch;
+  }
+  const cpu::FlashPlan plan =
+      cpu::make_plan(problem, options, mods != nullptr ? *mods : function_mods, q, k, v,
+                     outputs.out, lse, outputs.probs);
+  cpu::flash_forward(plan);
+  if (outputs.probs.defined()) cpu::flash_probabilities(plan);
+}
+
+AttentionResult allocate_and_run(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                 const AttentionOptions& options, const detail::TileMods* mods) {
+  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, options);
+  AttentionResult result;
+  result.out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+  if (options.return_lse) result.lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
+  if (options.return_probs) result.probs = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq, p.nk});
+  run(p, q, k, v, {result.out, result.lse.view(), result.probs.view()}, options, mods);
+  return result;
+}
+
+void run_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+              const AttentionOutputs& outputs, const AttentionOptions& options,
+              const detail::TileMods* mods) {
+  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, options);
+  detail::check_attention_outputs(p, q, k, v, options, outputs);
+  run(p, q, k, v, outputs, options, mods);
 }
 
 }  // namespace
 
 AttentionResult attention(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                           const AttentionOptions& options) {
-  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, options);
-  AttentionResult result;
-  result.out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
-  if (options.return_lse) result.lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
-  if (options.return_probs) result.probs = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq, p.nk});
-  run(p, q, k, v, {result.out, result.lse.view(), result.probs.view()}, options);
-  return result;
+  return allocate_and_run(q, k, v, options, nullptr);
 }
 
 void attention_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                     const AttentionOutputs& outputs, const AttentionOptions& options) {
-  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, options);
-  detail::check_attention_outputs(p, q, k, v, options, outputs);
-  run(p, q, k, v, outputs, options);
+  run_into(q, k, v, outputs, options, nullptr);
 }
 
+namespace detail {
+
+void attention_with_mods(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                         const AttentionOutputs& outputs, const AttentionOptions& options,
+                         const TileMods& mods) {
+  run_into(q, k, v, outputs, options, &mods);
+}
+
+AttentionResult attention_with_mods(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                    const AttentionOptions& options, const TileMods& mods) {
+  return allocate_and_run(q, k, v, options, &mods);
+}
+
+}  // namespace detail
 }  // namespace qkv

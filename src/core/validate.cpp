@@ -71,6 +71,15 @@ void check_same_dtype(const char* name, ConstTensorView t, DType expected, Reaso
   }
 }
 
+// Parameters (additive weights, bias tables) may use any floating dtype,
+// independent of the activations' (e.g. f32 weights with bf16 inputs).
+void check_floating(const char* name, ConstTensorView t, Reasons& r) {
+  if (!is_floating(t.dtype())) {
+    r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " +
+                str(t.dtype()));
+  }
+}
+
 void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const AttentionOptions& o,
                AttentionProblem& p, Reasons& r) {
   const bool q_ok = check_tensor("q", q, 4, r);
@@ -123,7 +132,7 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
   }
 }
 
-void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Reasons& r) {
+void check_score(const AttentionOptions& o, AttentionProblem& p, Reasons& r) {
   // An unknown score is reported by check_scalars.
   if ((o.score == Score::dot || o.score == Score::additive) && o.scale.has_value()) {
     r.push_back("options.scale: only used by Score::scaled_dot, but score is " +
@@ -158,7 +167,7 @@ void check_score(const AttentionOptions& o, AttentionProblem& p, DType dtype, Re
                          {"options.additive.w_k", a.w_k},
                          {"options.additive.v", a.v},
                          {"options.additive.bias", a.bias}}) {
-    if (t.defined()) check_same_dtype(name, t, dtype, r);
+    if (t.defined()) check_floating(name, t, r);
   }
   if (!(wq_ok && wk_ok && v_ok && b_ok)) return;
   p.attention_size = a.w_q.size(0);
@@ -286,15 +295,10 @@ void check_scalars(const AttentionOptions& o, Reasons& r) {
         "options.backend: expected Backend::automatic, Backend::reference or Backend::fast, got "
         "value " +
         to_string(static_cast<int>(o.backend)));
-  } else if (o.backend == Backend::fast) {
-    r.push_back(
-        "options.backend: Backend::fast is not available in this build (use "
-        "Backend::automatic or Backend::reference)");
   }
 }
 
-void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType dtype,
-                     Reasons& r) {
+void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
   if (!o.alibi_slopes.empty()) {
     // Per-sequence slopes follow the sequence index (the packed sequence in
     // varlen mode). Divided rather than multiplied: with Nq = 0, B * Hq is not
@@ -317,7 +321,7 @@ void check_positions(const AttentionOptions& o, const AttentionProblem& p, DType
   const RelativePositionBias& rb = o.relative_bias;
   if (!rb.table.defined()) return;
   if (!check_tensor("options.relative_bias.table", rb.table, 2, r)) return;
-  check_same_dtype("options.relative_bias.table", rb.table, dtype, r);
+  check_floating("options.relative_bias.table", rb.table, r);
   check_dim("options.relative_bias.table", rb.table, 0, "heads", p.hq, "q's Hq", r);
   const std::int64_t buckets = rb.table.size(1);
   const std::int64_t per_side = rb.bidirectional ? buckets / 2 : buckets;
@@ -391,10 +395,15 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   const bool shapes_ok = r.empty();
   check_scalars(options, r);
   if (!shapes_ok) throw Error(r);  // everything below reads the sizes of q, k and v
-  check_score(options, p, q.dtype(), r);
+  check_score(options, p, r);
   check_sequences(options, p, r);
   check_mask(options, p, r);
-  check_positions(options, p, q.dtype(), r);
+  check_positions(options, p, r);
+  if (options.backend == Backend::fast && p.dtype == DType::f64) {
+    r.push_back(
+        "options.backend: Backend::fast computes in f32 and takes f32, f16 or bf16 inputs, got "
+        "f64 (use Backend::reference or Backend::automatic)");
+  }
   throw_if(r);
   return p;
 }

@@ -1,0 +1,194 @@
+// Dispatch of the fused attention kernels: flash-inl.h is compiled once per
+// Highway target by re-including this file; one dynamic dispatch per call
+// picks the best target the CPU supports. The plan (units, block masks,
+// bias tables) is built once, in plain C++, outside the per-target code.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/flash.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// (foreach_target.h must come first: it re-includes this file per target.)
+#include "hwy/highway.h"
+// Per-target bodies, included after highway.h.
+#include "cpu/flash-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu {
+namespace HWY_NAMESPACE {
+
+void Forward(const FlashPlan& plan) { FlashForwardImpl(plan); }
+const char* Target() { return hwy::TargetName(HWY_TARGET); }
+void StoreRow(const float* src, std::int64_t n, void* dst, DType dtype) {
+  StoreRowFromF32(src, n, dst, dtype);
+}
+void ExpRow(const float* src, std::int64_t n, float* dst) {
+  const hn::ScalableTag<float> d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) hn::StoreU(FastExp(d, hn::LoadU(d, src + i)), d, dst + i);
+  for (; i < n; ++i) {
+    const hn::CappedTag<float, 1> d1;
+    hn::StoreU(FastExp(d1, hn::LoadU(d1, src + i)), d1, dst + i);
+  }
+}
+void Probabilities(const FlashPlan& plan) { FlashProbabilitiesImpl(plan); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/elements.hpp"
+#include "qkv/positional.hpp"
+
+namespace qkv::cpu {
+
+HWY_EXPORT(Forward);
+HWY_EXPORT(Probabilities);
+HWY_EXPORT(Target);
+HWY_EXPORT(StoreRow);
+HWY_EXPORT(ExpRow);
+
+void store_row(const float* src, std::int64_t n, void* dst, DType dtype) {
+  HWY_DYNAMIC_DISPATCH(StoreRow)(src, n, dst, dtype);
+}
+void exp_row(const float* src, std::int64_t n, float* dst) {
+  HWY_DYNAMIC_DISPATCH(ExpRow)(src, n, dst);
+}
+const char* flash_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
+void flash_forward(const FlashPlan& plan) { HWY_DYNAMIC_DISPATCH(Forward)(plan); }
+void flash_probabilities(const FlashPlan& plan) { HWY_DYNAMIC_DISPATCH(Probabilities)(plan); }
+
+namespace {
+
+std::vector<float> to_floats(ConstTensorView t, std::size_t padded_size = 0) {
+  std::vector<float> x(std::max(static_cast<std::size_t>(t.defined() ? t.numel() : 0), padded_size),
+                       0.0f);
+  if (!t.defined()) return x;
+  std::size_t n = 0;
+  detail::for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
+    x[n++] = static_cast<float>(
+        detail::load(t.data(), t.dtype(), detail::offset(idx, t.strides(), t.rank())));
+  });
+  return x;
+}
+
+// Classifies the explicit masks (bool mask, mask_mod) over one block of one
+// unit: empty if they admit nothing, full if they admit everything.
+BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o,
+                    const detail::TileMods& mods, const detail::SequenceExtent& seq, const Unit& u,
+                    std::int64_t j0, std::int64_t cols) {
+  const std::int64_t group = p.group();
+  const std::int64_t total = u.positions * cols;
+  bool all_empty = true;
+  bool all_full = true;
+  for (std::int64_t g = 0; g < group; ++g) {
+    const std::int64_t h = u.hkv * group + g;
+    std::int64_t admitted = total;
+    if (o.mask.defined() && o.mask.dtype() == DType::boolean) {
+      const ConstTensorView m = o.mask;
+      std::int64_t n = 0;
+      const std::int64_t index_base[2] = {seq.batch, h};
+      for (std::int64_t t = 0; t < u.positions; ++t) {
+        const std::int64_t full_index[4] = {index_base[0], index_base[1], seq.q_begin + u.i0 + t,
+                                            0};
+        std::int64_t base = 0;
+        for (int d = 0; d < m.rank() - 1; ++d) {
+          const std::int64_t x = full_index[4 - m.rank() + d];
+          base += (m.size(d) == 1 ? 0 : x) * m.stride(d);
+        }
+        const std::int64_t js = m.rank() == 0 || m.size(-1) == 1 ? 0 : m.stride(-1);
+        const auto* bits = static_cast<const std::uint8_t*>(m.data());
+        for (std::int64_t c = 0; c < cols; ++c) n += bits[base + (seq.k_begin + j0 + c) * js] != 0;
+      }
+      admitted = std::min(admitted, n);
+    }
+    if (mods.admitted != nullptr) {
+      const std::int64_t n =
+          mods.admitted(mods.context, {nullptr, 0, u.s, h, u.i0, u.positions, j0, cols});
+      if (n == 0) admitted = 0;
+      if (n < total) all_full = false;
+    }
+    if (admitted > 0) all_empty = false;
+    if (admitted < total) all_full = false;
+  }
+  if (all_empty) return BlockClass::empty;
+  return all_full ? BlockClass::full : BlockClass::partial;
+}
+
+}  // namespace
+
+FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
+                    const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
+                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs) {
+  FlashPlan plan;
+  plan.problem = &problem;
+  plan.options = &options;
+  plan.mods = &mods;
+  plan.q = q;
+  plan.k = k;
+  plan.v = v;
+  plan.out = out;
+  plan.lse = lse;
+  plan.probs = probs;
+  const std::int64_t group = std::max<std::int64_t>(problem.group(), 1);
+  plan.positions_per_unit = std::max<std::int64_t>(1, plan.config.rows / group);
+
+  const bool classify_blocks = (options.mask.defined() && options.mask.dtype() == DType::boolean) ||
+                               mods.admitted != nullptr;
+  std::int64_t blocks = 0;
+  for (std::int64_t s = 0; s < problem.sequences; ++s) {
+    const detail::SequenceExtent seq = problem.sequence(s, options);
+    const std::int64_t seq_blocks = (seq.nk_rows + plan.config.keys - 1) / plan.config.keys;
+    for (std::int64_t hkv = 0; hkv < problem.hkv; ++hkv) {
+      for (std::int64_t i0 = 0; i0 < seq.nq; i0 += plan.positions_per_unit) {
+        plan.units.push_back({s, hkv, i0, std::min(plan.positions_per_unit, seq.nq - i0), blocks});
+        if (classify_blocks) blocks += seq_blocks;
+      }
+    }
+  }
+  if (classify_blocks) {
+    plan.block_class.resize(static_cast<std::size_t>(blocks));
+    const auto n = static_cast<std::int64_t>(plan.units.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (std::int64_t i = 0; i < n; ++i) {
+      const Unit& u = plan.units[static_cast<std::size_t>(i)];
+      const detail::SequenceExtent seq = problem.sequence(u.s, options);
+      for (std::int64_t j0 = 0, jb = 0; j0 < seq.nk_rows; j0 += plan.config.keys, ++jb) {
+        plan.block_class[static_cast<std::size_t>(u.first_block + jb)] = classify(
+            problem, options, mods, seq, u, j0, std::min(plan.config.keys, seq.nk_rows - j0));
+      }
+    }
+  }
+
+  if (options.relative_bias.table.defined()) {
+    const ConstTensorView table = options.relative_bias.table;
+    plan.relative_radius = problem.nq + problem.nk;
+    const std::int64_t width = 2 * plan.relative_radius + 1;
+    plan.relative_bias.resize(static_cast<std::size_t>(problem.hq * width));
+    for (std::int64_t delta = -plan.relative_radius; delta <= plan.relative_radius; ++delta) {
+      const std::int64_t bucket =
+          t5_relative_bucket(delta, table.size(1), options.relative_bias.max_distance,
+                             options.relative_bias.bidirectional);
+      for (std::int64_t h = 0; h < problem.hq; ++h) {
+        plan.relative_bias[static_cast<std::size_t>(h * width + delta + plan.relative_radius)] =
+            static_cast<float>(table.get({h, bucket}));
+      }
+    }
+  }
+
+  if (options.score == Score::additive) {
+    const auto a_size = static_cast<std::size_t>(problem.attention_size);
+    plan.additive_w_q = to_floats(options.additive.w_q);
+    plan.additive_w_k = to_floats(options.additive.w_k);
+    plan.additive_bias = to_floats(options.additive.bias);
+    plan.additive_v = to_floats(options.additive.v, (a_size + 15) / 16 * 16);
+  }
+  return plan;
+}
+
+}  // namespace qkv::cpu
+
+#endif  // HWY_ONCE

@@ -1,0 +1,74 @@
+// The fused CPU attention kernels (flash attention: tiled, online softmax,
+// O(N) extra memory). This header is the plain-C++ side: the per-call plan
+// that the SIMD bodies (flash-inl.h, compiled per Highway target) consume.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "qkv/flex.hpp"
+
+namespace qkv::cpu {
+
+// Tile sizes. Rows of a tile are (query head of a KV group) x (query
+// position); columns are keys.
+struct FlashConfig {
+  std::int64_t rows = 64;   // target rows of a Q tile (all heads of a KV group)
+  std::int64_t keys = 256;  // keys per KV tile
+};
+
+// How a (unit, key block) tile relates to the explicit masks.
+enum class BlockClass : std::uint8_t { empty, partial, full };
+
+// One parallel work item: positions [i0, i0 + positions) of every query head
+// sharing KV head `hkv` in sequence `s`.
+struct Unit {
+  std::int64_t s = 0;
+  std::int64_t hkv = 0;
+  std::int64_t i0 = 0;
+  std::int64_t positions = 0;
+  std::int64_t first_block = 0;  // index of this unit's first entry in block_class
+};
+
+struct FlashPlan {
+  const detail::AttentionProblem* problem = nullptr;
+  const AttentionOptions* options = nullptr;
+  const detail::TileMods* mods = nullptr;  // never null; members may be
+  ConstTensorView q, k, v;
+  TensorView out;    // may be undefined in the probabilities pass
+  TensorView lse;    // f32 [B, Hq, Nq]; always defined (caller's or scratch)
+  TensorView probs;  // f32 [B, Hq, Nq, Nk]; undefined unless requested
+  FlashConfig config;
+  std::int64_t positions_per_unit = 0;
+  std::vector<Unit> units;
+  // Per unit, per key block (empty when no bool mask and no mask_mod):
+  // classification of the explicit masks.
+  std::vector<BlockClass> block_class;
+  // Score::additive parameters in f32: W_q [A][Dq], W_k [A][Dk], bias [A]
+  // (empty if none), v [A rounded up to 16] zero-padded.
+  std::vector<float> additive_w_q, additive_w_k, additive_bias, additive_v;
+  // [Hq][2 R + 1] relative position bias by j - p_i + R (empty when unused).
+  std::vector<float> relative_bias;
+  std::int64_t relative_radius = 0;  // R
+};
+
+// Builds the plan: units, block classes (evaluating bool masks and mask_mod
+// once), the relative bias table.
+FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
+                    const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
+                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs);
+
+// Forward pass: out and lse. Runs on OpenMP threads; the result does not
+// depend on the thread count.
+void flash_forward(const FlashPlan& plan);
+// Attention probabilities from the lse of a completed forward pass.
+void flash_probabilities(const FlashPlan& plan);
+// Name of the Highway target the kernels dispatch to on this CPU ("AVX2").
+const char* flash_target();
+// The kernels' building blocks, exposed for tests: the output conversion
+// (f32 -> f32/bf16/f16, RNE) and the softmax exp.
+void store_row(const float* src, std::int64_t n, void* dst, DType dtype);
+void exp_row(const float* src, std::int64_t n, float* dst);
+
+}  // namespace qkv::cpu

@@ -1,0 +1,140 @@
+// SIMD building blocks of the CPU kernels: an exp for softmax that never
+// returns subnormals, and exact dtype conversions of rows (widening on load,
+// round-to-nearest-even narrowing on store). Compiled once per Highway target
+// by the including .cpp (foreach_target.h), hence the toggled include guard.
+#if defined(QKV_CPU_VEC_MATH_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_VEC_MATH_INL_H_
+#undef QKV_CPU_VEC_MATH_INL_H_
+#else
+#define QKV_CPU_VEC_MATH_INL_H_
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+#include "hwy/highway.h"
+#include "qkv/dtype.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// e^x for x <= 88, within about 2 ulp. Below ln(2^-126) the result is exactly
+// 0, so products with it never touch subnormals (which are slow); -inf gives
+// 0 and NaN gives NaN. Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2,
+// and the degree-7 polynomial of Cephes' expf for e^r.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V FastExp(D d, V x) {
+  const hn::RebindToSigned<D> di;
+  const V n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+  V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
+  r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
+  V p = hn::Set(d, 1.9875691500e-4f);
+  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
+  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
+  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
+  p = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
+  // 2^n built in the exponent field; n >= -126 wherever the result is kept.
+  const auto n_int = hn::ConvertTo(di, hn::Max(n, hn::Set(d, -126.0f)));
+  const V scale = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(n_int, hn::Set(di, 127))));
+  const V result = hn::Mul(p, scale);
+  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33654475f)), result);
+}
+
+// Converts n contiguous elements of `dtype` at `src` to f32 (exact).
+inline void LoadRowF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst) {
+  const hn::ScalableTag<float> df;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  if (dtype == DType::f32) {
+    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  const hn::Rebind<std::uint16_t, decltype(df)> du16;
+  const hn::RebindToUnsigned<decltype(df)> du32;
+  const auto* s = static_cast<const std::uint16_t*>(src);
+  std::int64_t c = 0;
+  if (dtype == DType::bf16) {
+    for (; c + lanes <= n; c += lanes) {
+      const auto wide = hn::PromoteTo(du32, hn::LoadU(du16, s + c));
+      hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(wide)), df, dst + c);
+    }
+    for (; c < n; ++c) dst[c] = to_float(bf16{s[c]});
+  } else {
+    const hn::Rebind<hwy::float16_t, decltype(df)> df16;
+    const auto* h = reinterpret_cast<const hwy::float16_t*>(s);
+    for (; c + lanes <= n; c += lanes)
+      hn::StoreU(hn::PromoteTo(df, hn::LoadU(df16, h + c)), df, dst + c);
+    for (; c < n; ++c) dst[c] = to_float(f16{s[c]});
+  }
+}
+
+// bf16 bit patterns of a float vector, rounded to nearest even; NaN stays a
+// quiet NaN with its sign.
+template <class DF, class VU = hn::Vec<hn::RebindToUnsigned<DF>>>
+HWY_INLINE VU Bf16Bits(DF /*df*/, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const VU bits = hn::BitCast(du, v);
+  const VU odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const VU rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du, 0x7fffu), odd)));
+  const VU quiet_nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x0040u));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet_nan, rounded);
+}
+
+// f16 bit patterns of a float vector, rounded to nearest even with gradual
+// underflow and overflow to infinity (F. Giesen's float_to_half_fast3_rtne).
+template <class DF, class VU = hn::Vec<hn::RebindToUnsigned<DF>>>
+HWY_INLINE VU F16Bits(DF df, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const VU bits = hn::BitCast(du, v);
+  const VU sign = hn::And(bits, hn::Set(du, 0x80000000u));
+  const VU mag = hn::Xor(bits, sign);
+  // The magnitude is below 2^31, so signed compares order it correctly.
+  const auto imag = hn::BitCast(di, mag);
+  const auto above = [&](std::uint32_t x) {
+    return hn::RebindMask(du, hn::Gt(imag, hn::Set(di, static_cast<std::int32_t>(x))));
+  };
+  // |v| >= 65536, inf or NaN.
+  const VU special = hn::IfThenElse(above(0x7f800000u), hn::Set(du, 0x7e00u), hn::Set(du, 0x7c00u));
+  // |v| < 2^-14: adding 0.5 aligns the subnormal mantissa, rounding in the FPU.
+  const VU denorm_magic = hn::Set(du, ((127u - 15u) + (23u - 10u) + 1u) << 23);
+  const VU subnormal = hn::Sub(
+      hn::BitCast(du, hn::Add(hn::BitCast(df, mag), hn::BitCast(df, denorm_magic))), denorm_magic);
+  // Normal: rebias the exponent and round the 13 dropped bits to even.
+  const VU odd = hn::And(hn::ShiftRight<13>(mag), hn::Set(du, 1u));
+  const VU normal = hn::ShiftRight<13>(
+      hn::Add(hn::Add(mag, hn::Set(du, 0xc8000fffu)), odd));  // (15 - 127) << 23 wraps
+  VU half = hn::IfThenElse(above(0x387fffffu), normal, subnormal);
+  half = hn::IfThenElse(above(0x477fffffu), special, half);
+  return hn::Or(half, hn::ShiftRight<16>(sign));
+}
+
+// Stores n floats to `dst` of `dtype` (f32, bf16 or f16), rounding once.
+inline void StoreRowFromF32(const float* HWY_RESTRICT src, std::int64_t n, void* dst, DType dtype) {
+  if (dtype == DType::f32) {
+    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<std::uint16_t, decltype(df)> du16;
+  const hn::RebindToSigned<decltype(df)> di32;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  auto* d16 = static_cast<std::uint16_t*>(dst);
+  std::int64_t c = 0;
+  for (; c + lanes <= n; c += lanes) {
+    const auto v = hn::LoadU(df, src + c);
+    const auto bits = dtype == DType::bf16 ? Bf16Bits(df, v) : F16Bits(df, v);
+    // Every pattern is <= 0xffff, so the saturating demotion is exact.
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, d16 + c);
+  }
+  for (; c < n; ++c) d16[c] = dtype == DType::bf16 ? to_bf16(src[c]).bits : to_f16(src[c]).bits;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::cpu
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_CPU_VEC_MATH_INL_H_

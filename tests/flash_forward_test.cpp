@@ -1,0 +1,383 @@
+// The fused CPU kernels against the reference, with the tolerance policy of
+// docs/numerics: on the same inputs, the fast path's largest error against
+// the reference (computed in double) must be at most twice the error of the
+// naive computation in the input precision (reference::naive_attention),
+// plus half an ulp of the output's format at the output's magnitude.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "cpu/flash.hpp"
+#include "hwy/targets.h"
+#include "qkv/flex.hpp"
+#include "reference/attention.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::ConstTensorView;
+using qkv::DType;
+using qkv::Tensor;
+using qkv::test::max_abs;
+using qkv::test::max_abs_diff;
+using qkv::test::random_tensor;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double unit_roundoff(DType d) {
+  switch (d) {
+    case DType::f16:
+      return std::ldexp(1.0, -11);
+    case DType::bf16:
+      return std::ldexp(1.0, -8);
+    default:
+      return std::ldexp(1.0, -24);
+  }
+}
+
+// Largest |a - b| over elements where both are finite; the positions where
+// either is not finite must agree exactly (same infinity, or both NaN).
+double finite_diff(ConstTensorView a, ConstTensorView b, int* mismatches) {
+  double worst = 0.0;
+  qkv::detail::for_each_index(a.sizes(), a.rank(), [&](const qkv::Shape& idx) {
+    const double x =
+        qkv::detail::load(a.data(), a.dtype(), qkv::detail::offset(idx, a.strides(), a.rank()));
+    const double y =
+        qkv::detail::load(b.data(), b.dtype(), qkv::detail::offset(idx, b.strides(), b.rank()));
+    if (std::isfinite(x) && std::isfinite(y)) {
+      worst = std::max(worst, std::fabs(x - y));
+    } else if (!(x == y || (std::isnan(x) && std::isnan(y)))) {
+      ++*mismatches;
+    }
+  });
+  return worst;
+}
+
+struct Inputs {
+  Tensor q, k, v;
+};
+
+Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std::int64_t hq,
+                   std::int64_t hkv, std::int64_t dk, std::int64_t dv, DType dtype,
+                   std::uint32_t seed) {
+  // Values of order 1 with scores up to a few units: the regime of trained
+  // models after the 1/sqrt(D) scale.
+  return {random_tensor(dtype, {b, nq, hq, dk}, seed, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dk}, seed + 1, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
+}
+
+// Runs the fast backend and checks it against the reference with the
+// tolerance policy; returns the fast result.
+qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTensorView k,
+                                              ConstTensorView v, AttentionOptions opt,
+                                              const std::string& label) {
+  opt.return_lse = true;
+  AttentionOptions fast_opt = opt;
+  fast_opt.backend = qkv::Backend::fast;
+  const qkv::AttentionResult fast = qkv::attention(q, k, v, fast_opt);
+
+  AttentionOptions ref_opt = opt;
+  ref_opt.backend = qkv::Backend::reference;
+  const qkv::AttentionResult ref =
+      qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
+                     qkv::to_dtype(v, DType::f64), ref_opt);
+
+  const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
+  Tensor naive_out(q.dtype(), fast.out.view().size_span());
+  Tensor naive_lse(DType::f32, fast.lse.view().size_span());
+  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, q.dtype());
+
+  int mismatches = 0;
+  const double err_fast = finite_diff(fast.out, ref.out, &mismatches);
+  const double err_naive = finite_diff(naive_out, ref.out, &mismatches);
+  const double floor = unit_roundoff(q.dtype()) * max_abs(ref.out);
+  EXPECT_LE(err_fast, 2 * err_naive + floor)
+      << label << ": fast error " << err_fast << ", naive " << err_naive << ", floor " << floor;
+  const double lse_fast = finite_diff(fast.lse, ref.lse, &mismatches);
+  const double lse_naive = finite_diff(naive_lse, ref.lse, &mismatches);
+  const double lse_floor =
+      unit_roundoff(DType::f32) *
+      std::max(1.0, max_abs([&] {
+                 Tensor t = ref.lse;
+                 qkv::detail::for_each_index(t.sizes(), t.rank(), [&](const qkv::Shape& i) {
+                   const double x = t.get({i[0], i[1], i[2]});
+                   if (!std::isfinite(x)) t.set({i[0], i[1], i[2]}, 0);
+                 });
+                 return t;
+               }()));
+  EXPECT_LE(lse_fast, 2 * lse_naive + lse_floor) << label << ": lse";
+  EXPECT_EQ(mismatches, 0) << label << ": infinities or NaNs differ from the reference";
+  return fast;
+}
+
+struct SweepCase {
+  std::int64_t nq, nk, hq, hkv, d;
+};
+
+// Sizes around tile and vector boundaries and the head dims DESIGN.md lists.
+const SweepCase kSweep[] = {
+    {1, 1, 1, 1, 1},      {1, 300, 8, 1, 64},     {17, 17, 2, 2, 8},
+    {17, 97, 4, 2, 59},   {97, 17, 8, 8, 111},    {97, 97, 8, 1, 128},
+    {64, 257, 2, 1, 256}, {1000, 1000, 1, 1, 64}, {1000, 33, 2, 2, 8},
+};
+
+class FlashSweep : public ::testing::TestWithParam<DType> {};
+
+TEST_P(FlashSweep, ShapesAndMasks) {
+  const DType dtype = GetParam();
+  std::uint32_t seed = 100;
+  for (const SweepCase& c : kSweep) {
+    const Inputs x = make_inputs(1, c.nq, c.nk, c.hq, c.hkv, c.d, c.d, dtype, seed += 3);
+    const std::string shape = "Nq=" + std::to_string(c.nq) + " Nk=" + std::to_string(c.nk) +
+                              " Hq=" + std::to_string(c.hq) + " Hkv=" + std::to_string(c.hkv) +
+                              " D=" + std::to_string(c.d);
+    expect_matches_reference(x.q, x.k, x.v, {}, shape + " full");
+    AttentionOptions causal;
+    causal.causal = true;
+    expect_matches_reference(x.q, x.k, x.v, causal, shape + " causal bottom-right");
+    causal.align = qkv::Align::top_left;
+    expect_matches_reference(x.q, x.k, x.v, causal, shape + " causal top-left");
+    AttentionOptions window;
+    window.window_left = 5;
+    window.window_right = 3;
+    expect_matches_reference(x.q, x.k, x.v, window, shape + " window");
+  }
+}
+
+TEST_P(FlashSweep, EveryFeatureAloneAndCombined) {
+  const DType dtype = GetParam();
+  const std::int64_t b = 2, nq = 70, nk = 300, hq = 4, hkv = 2, d = 40;
+  const Inputs x = make_inputs(b, nq, nk, hq, hkv, d, 24, dtype, 7);
+  const std::vector<float> slopes = qkv::alibi_slopes(hq);
+  const Tensor table = random_tensor(DType::f32, {hq, 32}, 8, -1.0, 1.0);
+  const Tensor table_in = qkv::to_dtype(table, dtype);
+  Tensor bool_mask(DType::boolean, {b, 1, nq, nk});
+  Tensor float_mask(DType::f32, {nq, nk});
+  for (std::int64_t i = 0; i < nq; ++i)
+    for (std::int64_t j = 0; j < nk; ++j) {
+      for (std::int64_t bb = 0; bb < b; ++bb)
+        bool_mask.set({bb, 0, i, j}, (i + 3 * j + bb) % 7 != 0);
+      float_mask.set({i, j}, j % 11 == 0 ? -kInf : 0.25 * std::sin(double(i * j)));
+    }
+  const std::int64_t lengths[] = {300, 129};
+
+  std::vector<std::pair<std::string, AttentionOptions>> cases;
+  auto add = [&](const std::string& name, auto&& set) {
+    AttentionOptions o;
+    set(o);
+    cases.emplace_back(name, o);
+  };
+  add("dot", [](auto& o) { o.score = qkv::Score::dot; });
+  add("scale", [](auto& o) { o.scale = 0.3; });
+  add("key lengths", [&](auto& o) { o.key_lengths = lengths; });
+  add("bool mask", [&](auto& o) { o.mask = bool_mask; });
+  add("float mask", [&](auto& o) { o.mask = float_mask; });
+  add("alibi", [&](auto& o) { o.alibi_slopes = slopes; });
+  add("relative bias", [&](auto& o) { o.relative_bias = {table_in, 64, true}; });
+  add("causal relative bias", [&](auto& o) {
+    o.relative_bias = {table_in, 64, false};
+    o.causal = true;
+  });
+  add("softcap", [](auto& o) { o.softcap = 1.5; });
+  add("score_mod", [](auto& o) {
+    o.score_mod = [](double s, std::int64_t bb, std::int64_t h, std::int64_t i, std::int64_t j) {
+      return s + 0.01 * double((bb + h + i - j) % 5);
+    };
+  });
+  add("mask_mod", [](auto& o) {
+    o.mask_mod = [](std::int64_t, std::int64_t h, std::int64_t i, std::int64_t j) {
+      return (i / 16 + h) % 3 != (j / 32) % 3;
+    };
+  });
+  add("everything", [&](auto& o) {
+    o.causal = true;
+    o.window_left = 100;
+    o.key_lengths = lengths;
+    o.mask = bool_mask;
+    o.alibi_slopes = slopes;
+    o.softcap = 5.0;
+    o.mask_mod = [](std::int64_t, std::int64_t, std::int64_t i, std::int64_t j) {
+      return (i + j) % 13 != 0;
+    };
+  });
+  add("window and float mask", [&](auto& o) {
+    o.window_left = 40;
+    o.window_right = 40;
+    o.mask = float_mask;
+    o.relative_bias = {table_in, 64, true};
+  });
+  for (const auto& [name, opt] : cases) expect_matches_reference(x.q, x.k, x.v, opt, name);
+}
+
+TEST_P(FlashSweep, PackedSequences) {
+  const DType dtype = GetParam();
+  const std::int64_t cu_q[] = {0, 5, 5, 150, 151};
+  const std::int64_t cu_k[] = {0, 300, 301, 420, 420};
+  const Inputs x = make_inputs(1, 151, 420, 6, 3, 32, 32, dtype, 11);
+  AttentionOptions o;
+  o.cu_seqlens_q = cu_q;
+  o.cu_seqlens_k = cu_k;
+  expect_matches_reference(x.q, x.k, x.v, o, "varlen");
+  o.causal = true;
+  expect_matches_reference(x.q, x.k, x.v, o, "varlen causal");
+  const std::int64_t lengths[] = {250, 0, 100, 0};
+  o.key_lengths = lengths;
+  expect_matches_reference(x.q, x.k, x.v, o, "varlen causal key lengths");
+}
+
+TEST_P(FlashSweep, AdditiveScore) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(2, 9, 40, 2, 1, 12, 10, dtype, 21);
+  const Tensor w_q = qkv::to_dtype(random_tensor(DType::f32, {19, 12}, 22, -0.5, 0.5), dtype);
+  const Tensor w_k = qkv::to_dtype(random_tensor(DType::f32, {19, 12}, 23, -0.5, 0.5), dtype);
+  const Tensor v_a = qkv::to_dtype(random_tensor(DType::f32, {19}, 24), dtype);
+  const Tensor bias = qkv::to_dtype(random_tensor(DType::f32, {19}, 25), dtype);
+  AttentionOptions o;
+  o.score = qkv::Score::additive;
+  o.additive = {w_q, w_k, v_a, bias};
+  expect_matches_reference(x.q, x.k, x.v, o, "additive");
+  o.causal = true;
+  expect_matches_reference(x.q, x.k, x.v, o, "additive causal");
+}
+
+TEST_P(FlashSweep, FullyMaskedRows) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(1, 40, 20, 2, 1, 16, 16, dtype, 31);
+  AttentionOptions o;
+  o.causal = true;  // bottom-right with Nq > Nk: the first 20 rows see nothing
+  const auto r = expect_matches_reference(x.q, x.k, x.v, o, "empty rows");
+  EXPECT_EQ(max_abs(r.out.view().slice(1, 0, 20)), 0.0);
+  EXPECT_EQ(r.lse.get({0, 1, 19}), -kInf);
+  EXPECT_FALSE(qkv::test::has_non_finite(r.out));
+}
+
+TEST_P(FlashSweep, StridedViews) {
+  const DType dtype = GetParam();
+  // [B, H, N, D] storage read through transposed views; output written the same way.
+  const Tensor q = random_tensor(dtype, {2, 4, 33, 24}, 41);
+  const Tensor k = random_tensor(dtype, {2, 2, 50, 24}, 42);
+  const Tensor v = random_tensor(dtype, {2, 2, 50, 24}, 43);
+  AttentionOptions o;
+  o.causal = true;
+  expect_matches_reference(q.view().transpose(1, 2), k.view().transpose(1, 2),
+                           v.view().transpose(1, 2), o, "BHND views");
+  Tensor out(dtype, {2, 4, 33, 24});
+  o.backend = qkv::Backend::fast;
+  qkv::attention_into(q.view().transpose(1, 2), k.view().transpose(1, 2), v.view().transpose(1, 2),
+                      {out.view().transpose(1, 2)}, o);
+  const auto contiguous = qkv::attention(qkv::to_dtype(q.view().transpose(1, 2), dtype),
+                                         qkv::to_dtype(k.view().transpose(1, 2), dtype),
+                                         qkv::to_dtype(v.view().transpose(1, 2), dtype), o);
+  EXPECT_EQ(max_abs_diff(out.view().transpose(1, 2), contiguous.out), 0.0);
+  // A head dim with a stride (every other element).
+  const Tensor wide = random_tensor(dtype, {1, 20, 2, 32}, 44);
+  const ConstTensorView every_other(wide.view().data(), dtype, {1, 20, 2, 16}, {1280, 64, 32, 2});
+  expect_matches_reference(every_other, every_other, every_other, {}, "strided head dim");
+}
+
+TEST_P(FlashSweep, ProbabilitiesMatchReference) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(1, 50, 700, 2, 1, 32, 32, dtype, 51);
+  AttentionOptions o;
+  o.causal = true;
+  o.window_left = 300;
+  o.return_probs = true;
+  o.backend = qkv::Backend::fast;
+  const auto fast = qkv::attention(x.q, x.k, x.v, o);
+  o.backend = qkv::Backend::reference;
+  const auto ref = qkv::attention(qkv::to_dtype(x.q, DType::f64), qkv::to_dtype(x.k, DType::f64),
+                                  qkv::to_dtype(x.v, DType::f64), o);
+  // Weights are exp(s - lse) in f32: each within a few f32 ulps of the score
+  // error (|s| <= 1.5^2 * 32 / sqrt(32) ~ 13) times the weight.
+  const double tolerance = 64 * unit_roundoff(DType::f32) * 13.0;
+  EXPECT_LE(max_abs_diff(fast.probs, ref.probs), tolerance);
+  // Dropped keys are exactly zero.
+  for (std::int64_t i = 0; i < 50; ++i) {
+    EXPECT_EQ(fast.probs.get({0, 0, i, 0}), i + 650 - 300 > 0 ? 0.0 : fast.probs.get({0, 0, i, 0}));
+    EXPECT_EQ(fast.probs.get({0, 1, i, 699}), i == 49 ? fast.probs.get({0, 1, i, 699}) : 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Flash, FlashSweep, ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& p) { return std::string(qkv::dtype_name(p.param)); });
+
+TEST(Flash, FlexCallablesMatchStdFunctionOptions) {
+  const Inputs x = make_inputs(1, 100, 260, 4, 1, 32, 32, DType::f32, 61);
+  auto score_mod = [](float s, std::int64_t, std::int64_t h, std::int64_t i, std::int64_t j) {
+    return s - 0.05f * float(h) * float(std::abs(i - j) % 7);
+  };
+  auto mask_mod = [](std::int64_t, std::int64_t, std::int64_t i, std::int64_t j) {
+    return j / 64 <= i / 25;  // block-causal: whole 64-key blocks skipped
+  };
+  AttentionOptions fast;
+  fast.backend = qkv::Backend::fast;
+  const auto flex = qkv::flex_attention(x.q, x.k, x.v, score_mod, mask_mod, fast);
+  AttentionOptions with_functions = fast;
+  with_functions.score_mod = [&](double s, std::int64_t b, std::int64_t h, std::int64_t i,
+                                 std::int64_t j) {
+    return double(score_mod(float(s), b, h, i, j));
+  };
+  with_functions.mask_mod = mask_mod;
+  EXPECT_EQ(max_abs_diff(flex.out, qkv::attention(x.q, x.k, x.v, with_functions).out), 0.0);
+  expect_matches_reference(x.q, x.k, x.v, with_functions, "flex callables");
+  // The reference backend runs the same callables.
+  AttentionOptions ref;
+  ref.backend = qkv::Backend::reference;
+  const auto flex_ref = qkv::flex_attention(x.q, x.k, x.v, score_mod, mask_mod, ref);
+  EXPECT_LT(max_abs_diff(flex.out, flex_ref.out), 1e-5);
+  AttentionOptions both = fast;
+  both.mask_mod = mask_mod;
+  EXPECT_THROW(qkv::flex_attention(x.q, x.k, x.v, qkv::no_score_mod, mask_mod, both), qkv::Error);
+}
+
+TEST(Flash, BitwiseIdenticalForAnyThreadCount) {
+  const Inputs x = make_inputs(1, 333, 600, 8, 2, 64, 64, DType::f32, 71);
+  AttentionOptions o;
+  o.backend = qkv::Backend::fast;
+  o.causal = true;
+  o.return_lse = true;
+  const int saved = omp_get_max_threads();
+  std::vector<qkv::AttentionResult> results;
+  for (int threads : {1, 2, 3, 4}) {
+    omp_set_num_threads(threads);
+    results.push_back(qkv::attention(x.q, x.k, x.v, o));
+  }
+  omp_set_num_threads(saved);
+  for (std::size_t t = 1; t < results.size(); ++t) {
+    EXPECT_EQ(std::memcmp(results[0].out.data<float>(), results[t].out.data<float>(),
+                          sizeof(float) * static_cast<std::size_t>(results[0].out.numel())),
+              0);
+    EXPECT_EQ(std::memcmp(results[0].lse.data<float>(), results[t].lse.data<float>(),
+                          sizeof(float) * static_cast<std::size_t>(results[0].lse.numel())),
+              0);
+  }
+}
+
+TEST(Flash, EveryHighwayTargetThisCpuRuns) {
+  const Inputs x = make_inputs(2, 45, 130, 4, 2, 36, 20, DType::f32, 81);
+  AttentionOptions o;
+  o.causal = true;
+  const std::vector<float> slopes = qkv::alibi_slopes(4);  // outlives the options' span
+  o.alibi_slopes = slopes;
+  std::vector<std::string> ran;
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    ran.push_back(qkv::cpu::flash_target());
+    EXPECT_EQ(ran.back(), hwy::TargetName(target));
+    expect_matches_reference(x.q, x.k, x.v, o, ran.back());
+    const Inputs h = make_inputs(1, 20, 33, 4, 1, 16, 16, DType::f16, 82);
+    expect_matches_reference(h.q, h.k, h.v, o, ran.back() + " f16");
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(ran.size(), 2u) << "expected the native target and at least one fallback";
+}
+
+}  // namespace
