@@ -16,8 +16,8 @@ void attention(const detail::AttentionProblem& problem, ConstTensorView q, Const
 // with every score and weight rounded to it (as a framework computing in that
 // dtype rounds between operations). The error of this computation against
 // attention() is the yardstick of the fast kernels' tolerance.
-void naive_attention(const detail::AttentionProblem& problem, ConstTensorView q,
-                     ConstTensorView k, ConstTensorView v, const AttentionOutputs& outputs,
+void naive_attention(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
+                     ConstTensorView v, const AttentionOutputs& outputs,
                      const AttentionOptions& options, DType precision);
 
 }  // namespace qkv::reference
