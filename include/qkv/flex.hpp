@@ -33,13 +33,16 @@ inline constexpr NoMaskMod no_mask_mod{};
 
 namespace detail {
 
-// A rectangle of scores for one sequence b and query head h: rows are query
-// positions i0 .. i0 + rows - 1, columns keys j0 .. j0 + cols - 1, row-major
-// with leading dimension ld.
+// A rectangle of scores for one sequence b and query head h: query positions
+// i0 .. i0 + rows - 1 and keys j0 .. j0 + cols - 1; the score of (i0 + r,
+// j0 + c) is scores[r * query_stride + c * key_stride].
 struct ScoreBlock {
   float* scores;
-  std::int64_t ld;
+  std::int64_t query_stride, key_stride;
   std::int64_t b, h, i0, rows, j0, cols;
+  float& at(std::int64_t r, std::int64_t c) const {
+    return scores[r * query_stride + c * key_stride];
+  }
 };
 
 // Type-erased, tile-granular hooks built from the callables (null = none).
@@ -60,19 +63,19 @@ struct FlexCallables {
 
   static void apply_score_mod(const void* context, const ScoreBlock& t) {
     const auto& f = static_cast<const FlexCallables*>(context)->score_mod;
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      float* row = t.scores + r * t.ld;
-      for (std::int64_t c = 0; c < t.cols; ++c) {
-        row[c] = static_cast<float>(f(row[c], t.b, t.h, t.i0 + r, t.j0 + c));
+    // Keys outer: the kernels store a block with queries contiguous.
+    for (std::int64_t c = 0; c < t.cols; ++c) {
+      for (std::int64_t r = 0; r < t.rows; ++r) {
+        float& s = t.at(r, c);
+        s = static_cast<float>(f(s, t.b, t.h, t.i0 + r, t.j0 + c));
       }
     }
   }
   static void apply_mask_mod(const void* context, const ScoreBlock& t) {
     const auto& f = static_cast<const FlexCallables*>(context)->mask_mod;
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      float* row = t.scores + r * t.ld;
-      for (std::int64_t c = 0; c < t.cols; ++c) {
-        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) row[c] = -std::numeric_limits<float>::infinity();
+    for (std::int64_t c = 0; c < t.cols; ++c) {
+      for (std::int64_t r = 0; r < t.rows; ++r) {
+        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) t.at(r, c) = -std::numeric_limits<float>::infinity();
       }
     }
   }

@@ -16,7 +16,7 @@ struct FunctionMods {
     const ScoreMod& f = static_cast<const AttentionOptions*>(context)->score_mod;
     for (std::int64_t r = 0; r < t.rows; ++r) {
       for (std::int64_t c = 0; c < t.cols; ++c) {
-        float& s = t.scores[r * t.ld + c];
+        float& s = t.at(r, c);
         s = static_cast<float>(f(s, t.b, t.h, t.i0 + r, t.j0 + c));
       }
     }
@@ -25,9 +25,7 @@ struct FunctionMods {
     const MaskMod& f = static_cast<const AttentionOptions*>(context)->mask_mod;
     for (std::int64_t r = 0; r < t.rows; ++r) {
       for (std::int64_t c = 0; c < t.cols; ++c) {
-        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) {
-          t.scores[r * t.ld + c] = -std::numeric_limits<float>::infinity();
-        }
+        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) t.at(r, c) = -std::numeric_limits<float>::infinity();
       }
     }
   }

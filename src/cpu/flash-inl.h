@@ -20,6 +20,7 @@
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -29,42 +30,64 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Per-thread budget for a task's packed keys and values (KvCache).
+constexpr std::int64_t kKvCacheBytes = std::int64_t{16} << 20;
 
 inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
 // Sizes of one thread's scratch, derived from the plan.
 struct TileShape {
-  std::int64_t rows = 0;      // Q tile rows (group x positions)
-  std::int64_t keys_pad = 0;  // key tile width rounded up to the panel width
-  std::int64_t dk = 0;
-  std::int64_t dv_pad = 0;  // Dv rounded up to the panel width
-  std::int64_t a_pad = 0;   // additive attention size rounded up to the vector
+  std::int64_t rows_pad = 0;  // Q tile rows (group x positions), rounded up to the panel width
+  std::int64_t keys = 0;      // keys per block
+  std::int64_t dk = 0;        // max(Dq, Dk)
+  std::int64_t dv_pad = 0;    // Dv rounded up to the panel width
+  std::int64_t a_pad = 0;     // additive attention size rounded up to the vector
 };
 
-// One thread's buffers, allocated once per call.
+// One thread's buffers, allocated once per call. Shapes:
+//   q    Q^T panels [rows_pad / NR][Dk][NR] (scaled), or Q rows [rows][Dq]
+//   qa   additive: Q W_q^T [rows_pad][a_pad]
+//   k    K block [keys][Dk], or additive: K W_k^T + b [keys][a_pad]
+//   v    V block [keys][dv_pad]
+//   s    S^T, then P^T [keys][rows_pad]
+//   o    O [rows_pad][dv_pad]
+//   m, l, alpha, block_sum   per row [rows_pad]
 struct Scratch {
   explicit Scratch(const TileShape& t)
-      : q(Alloc(t.rows * std::max(t.dk, t.a_pad))),
-        qa(Alloc(t.rows * t.a_pad)),
-        k(Alloc(t.keys_pad * std::max(t.dk, t.a_pad))),
-        v(Alloc(t.keys_pad * t.dv_pad)),
-        s(Alloc(t.rows * t.keys_pad)),
-        o(Alloc(t.rows * t.dv_pad)),
-        row(Alloc(std::max({t.dk, t.dv_pad, t.keys_pad}))),
-        m(Alloc(t.rows)),
-        l(Alloc(t.rows)) {}
+      : q(Alloc(t.rows_pad * t.dk)),
+        qa(Alloc(t.rows_pad * t.a_pad)),
+        k(Alloc(t.keys * std::max(t.dk, t.a_pad))),
+        v(Alloc(t.keys * t.dv_pad)),
+        s(Alloc(t.keys * t.rows_pad)),
+        o(Alloc(t.rows_pad * t.dv_pad)),
+        row(Alloc(std::max(t.dk, t.dv_pad))),
+        m(Alloc(t.rows_pad)),
+        l(Alloc(t.rows_pad)),
+        alpha(Alloc(t.rows_pad)) {}
 
   static hwy::AlignedFreeUniquePtr<float[]> Alloc(std::int64_t n) {
-    auto p = hwy::AllocateAligned<float>(static_cast<std::size_t>(std::max<std::int64_t>(n, 1)));
-    std::fill_n(p.get(), std::max<std::int64_t>(n, 1), 0.0f);  // pad lanes must never hold NaN
+    const auto size = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+    auto p = hwy::AllocateAligned<float>(size);
+    std::fill_n(p.get(), size, 0.0f);  // padding must never hold NaN
     return p;
   }
 
-  hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l;
+  hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l, alpha;
+  // A task's keys and values packed once for all its units (see KvCache).
+  hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
+  std::int64_t cache_capacity = 0;  // floats in each of k_cache and v_cache
+};
+
+// Keys [begin, begin + n) of a task's KV head, packed as f32 rows: K [n][Dk]
+// and V [n][dv_pad]. Null pointers: not cached, pack each block on the fly.
+struct KvCache {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  std::int64_t begin = 0;
 };
 
 // The key range [lo, hi) that causal, window and key lengths leave to the
-// query at position `pos` (hi <= lo: none).
+// query at position `pos` (hi <= lo: none). Both ends grow with pos.
 struct KeyRange {
   std::int64_t lo, hi;
 };
@@ -73,15 +96,17 @@ inline KeyRange RangeFor(const AttentionOptions& o, std::int64_t pos, std::int64
   if (o.window_left >= 0) lo = std::max<std::int64_t>(0, pos - o.window_left);
   if (o.causal) hi = std::min(hi, pos + 1);
   if (o.window_right >= 0) hi = std::min(hi, pos + o.window_right + 1);
-  return {std::min(lo, nk), std::max(hi, std::min(lo, nk))};
+  lo = std::min(lo, nk);
+  return {lo, std::max(hi, lo)};
 }
 
-// Everything a unit needs to address its rows.
+// Everything a unit needs to address its rows: row g * positions + t is
+// query head hkv * group + g at position i0 + t of sequence seq.
 struct UnitGeometry {
   detail::SequenceExtent seq;
-  std::int64_t group = 0;      // query heads per KV head
-  std::int64_t positions = 0;  // query positions in the unit
-  std::int64_t offset = 0;     // p_i = i + offset
+  std::int64_t group = 0;
+  std::int64_t positions = 0;
+  std::int64_t offset = 0;  // p_i = i + offset
   std::int64_t rows() const { return group * positions; }
 };
 
@@ -92,26 +117,34 @@ inline const std::uint8_t* At(ConstTensorView t, std::int64_t a, std::int64_t b,
          (a * t.stride(0) + b * t.stride(1) + c * t.stride(2)) * ElementBytes(t.dtype());
 }
 
-// Packs the unit's query rows (row g * positions + t is head hkv * G + g at
-// position i0 + t), multiplied by `scale`.
-inline void PackQueries(const FlashPlan& plan, const Unit& u, const UnitGeometry& g, float scale,
-                        float* HWY_RESTRICT dst) {
-  const ConstTensorView q = plan.q;
-  const std::int64_t dq = q.size(3);
-  const hn::ScalableTag<float> d;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      float* row = dst + (gi * g.positions + t) * dq;
-      LoadStridedRowF32(At(q, g.seq.batch, g.seq.q_begin + u.i0 + t, u.hkv * g.group + gi),
-                        q.dtype(), dq, q.stride(3), row);
-      if (scale == 1.0f) continue;
-      std::int64_t c = 0;
-      for (; c + lanes <= dq; c += lanes) {
-        hn::StoreU(hn::Mul(hn::LoadU(d, row + c), hn::Set(d, scale)), d, row + c);
-      }
-      for (; c < dq; ++c) row[c] *= scale;
+// One row of n elements at element stride `stride`, as f32.
+inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t n,
+                              std::int64_t stride, float* HWY_RESTRICT dst) {
+  if (stride == 1) return LoadRowF32(src, dtype, n, dst);
+  for (std::int64_t c = 0; c < n; ++c) {
+    LoadRowF32(src + c * stride * ElementBytes(dtype), dtype, 1, dst + c);
+  }
+}
+
+// Rows [j0, j0 + n) of KV head h as f32 into dst [n][ld]; columns [width, ld)
+// are set to zero.
+inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::int64_t j0,
+                     std::int64_t n, std::int64_t h, std::int64_t ld, float* HWY_RESTRICT dst) {
+  const std::int64_t width = t.size(3);
+  const std::uint8_t* src = At(t, seq.batch, seq.k_begin + j0, h);
+  const std::int64_t row_bytes = t.stride(1) * ElementBytes(t.dtype());
+  // In [B, N, H, D] layouts consecutive keys are H * D elements apart, often
+  // a page or more, where hardware prefetchers stop: fetch rows ahead.
+  constexpr std::int64_t kAhead = 8;
+  const std::int64_t line_span = std::min<std::int64_t>(
+      width * t.stride(3) * ElementBytes(t.dtype()), row_bytes > 0 ? row_bytes : 1);
+  for (std::int64_t r = 0; r < n; ++r) {
+    if (r + kAhead < n) {
+      const std::uint8_t* ahead = src + (r + kAhead) * row_bytes;
+      for (std::int64_t b = 0; b < line_span; b += 64) hwy::Prefetch(ahead + b);
     }
+    LoadStridedRowF32(src + r * row_bytes, t.dtype(), width, t.stride(3), dst + r * ld);
+    std::fill(dst + r * ld + width, dst + (r + 1) * ld, 0.0f);
   }
 }
 
@@ -131,169 +164,38 @@ inline void Project(const float* HWY_RESTRICT x, std::int64_t n, std::int64_t in
   }
 }
 
-// S[r][c] = sum_a v[a] tanh(qa[r][a] + ka[c][a]) (the additive score).
-inline void AdditiveScoresTile(const float* HWY_RESTRICT qa, std::int64_t rows,
-                               const float* HWY_RESTRICT ka, std::int64_t cols,
-                               const float* HWY_RESTRICT v, std::int64_t a_pad,
-                               float* HWY_RESTRICT s, std::int64_t lds) {
+// S^T[c][r] = sum_a v[a] tanh(qa[r][a] + ka[c][a]) (the additive score).
+inline void AdditiveScoresTransposed(const float* HWY_RESTRICT qa, std::int64_t rows,
+                                     const float* HWY_RESTRICT ka, std::int64_t keys,
+                                     const float* HWY_RESTRICT v, std::int64_t a_pad,
+                                     float* HWY_RESTRICT s, std::int64_t rows_pad) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t c = 0; c < cols; ++c) {
+  for (std::int64_t c = 0; c < keys; ++c) {
+    for (std::int64_t r = 0; r < rows; ++r) {
       auto acc = hn::Zero(d);
       for (std::int64_t a = 0; a < a_pad; a += lanes) {
         const auto x = hn::Add(hn::Load(d, qa + r * a_pad + a), hn::Load(d, ka + c * a_pad + a));
         acc = hn::MulAdd(hn::Load(d, v + a), hn::Tanh(d, x), acc);
       }
-      s[r * lds + c] = hn::GetLane(hn::SumOfLanes(d, acc));
+      s[c * rows_pad + r] = hn::GetLane(hn::SumOfLanes(d, acc));
     }
   }
 }
 
-// Value of a mask element [b, h, i, j] broadcast from the mask's rank.
-inline std::int64_t MaskOffset(ConstTensorView mask, std::int64_t b, std::int64_t h,
-                               std::int64_t i) {
+// Offset of mask element [b, h, i, 0] broadcast from the mask's rank.
+inline std::int64_t MaskRowOffset(ConstTensorView mask, std::int64_t b, std::int64_t h,
+                                  std::int64_t i) {
   const std::int64_t index[3] = {b, h, i};
   std::int64_t off = 0;
-  for (int d = 0; d < mask.rank() - 1; ++d) {
-    const std::int64_t x = index[3 - (mask.rank() - 1) + d];
-    off += (mask.size(d) == 1 ? 0 : x) * mask.stride(d);
+  for (int dim = 0; dim < mask.rank() - 1; ++dim) {
+    const std::int64_t x = index[3 - (mask.rank() - 1) + dim];
+    off += (mask.size(dim) == 1 ? 0 : x) * mask.stride(dim);
   }
   return off;
 }
-
-// Adds the biases (softcap, ALiBi, relative bias, float mask) and score_mod
-// to the tile, then (when `partial`) drops keys outside each row's range and
-// those the bool mask or mask_mod reject; pad columns become -inf.
-inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                          std::int64_t j0, std::int64_t cols, std::int64_t cols_pad,
-                          bool range_partial, bool mask_partial, float* HWY_RESTRICT s,
-                          std::int64_t lds) {
-  const AttentionOptions& o = *plan.options;
-  const detail::AttentionProblem& p = *plan.problem;
-  const hn::ScalableTag<float> d;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  const hn::RebindToSigned<decltype(d)> di;
-  const auto iota = hn::ConvertTo(d, hn::Iota(di, 0));
-  const float cap = static_cast<float>(o.softcap);
-  const bool float_mask = o.mask.defined() && o.mask.dtype() != DType::boolean;
-  const bool bool_mask = o.mask.defined() && o.mask.dtype() == DType::boolean;
-  const bool per_batch_slopes =
-      !o.alibi_slopes.empty() && static_cast<std::int64_t>(o.alibi_slopes.size()) != p.hq;
-
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    const std::int64_t h = u.hkv * g.group + gi;
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      float* row = s + (gi * g.positions + t) * lds;
-      const std::int64_t i = u.i0 + t;
-      const std::int64_t pos = i + g.offset;
-      if (cap > 0.0f) {
-        const auto inv = hn::Set(d, 1.0f / cap);
-        for (std::int64_t c = 0; c < cols_pad; c += lanes) {
-          const auto x = hn::Load(d, row + c);
-          hn::Store(hn::Mul(hn::Set(d, cap), hn::Tanh(d, hn::Mul(x, inv))), d, row + c);
-        }
-      }
-      if (!o.alibi_slopes.empty()) {
-        const float slope =
-            o.alibi_slopes[static_cast<std::size_t>(per_batch_slopes ? u.s * p.hq + h : h)];
-        for (std::int64_t c = 0; c < cols_pad; c += lanes) {
-          const auto delta = hn::Add(iota, hn::Set(d, static_cast<float>(j0 + c - pos)));
-          hn::Store(hn::MulAdd(hn::Abs(delta), hn::Set(d, -slope), hn::Load(d, row + c)), d,
-                    row + c);
-        }
-      }
-      if (!plan.relative_bias.empty()) {
-        const float* bias = plan.relative_bias.data() + h * (2 * plan.relative_radius + 1) +
-                            plan.relative_radius + j0 - pos;
-        for (std::int64_t c = 0; c < cols; ++c) row[c] += bias[c];
-      }
-      if (float_mask) {
-        const ConstTensorView m = o.mask;
-        const std::int64_t base = MaskOffset(m, g.seq.batch, h, g.seq.q_begin + i);
-        const std::int64_t js = m.rank() == 0 || m.size(-1) == 1 ? 0 : m.stride(-1);
-        for (std::int64_t c = 0; c < cols; ++c) {
-          row[c] += static_cast<float>(
-              detail::load(m.data(), m.dtype(), base + (g.seq.k_begin + j0 + c) * js));
-        }
-      }
-    }
-    if (plan.mods->score_mod != nullptr) {
-      plan.mods->score_mod(plan.mods->context,
-                           {s + gi * g.positions * lds, lds, u.s, h, u.i0, g.positions, j0, cols});
-    }
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      float* row = s + (gi * g.positions + t) * lds;
-      const std::int64_t i = u.i0 + t;
-      if (range_partial) {
-        const KeyRange range = RangeFor(o, i + g.offset, g.seq.nk);
-        const auto lo = hn::Set(d, static_cast<float>(range.lo - j0));
-        const auto hi = hn::Set(d, static_cast<float>(range.hi - j0));
-        for (std::int64_t c = 0; c < cols_pad; c += lanes) {
-          const auto col = hn::Add(iota, hn::Set(d, static_cast<float>(c)));
-          const auto keep = hn::And(hn::Ge(col, lo), hn::Lt(col, hi));
-          hn::Store(hn::IfThenElse(keep, hn::Load(d, row + c), hn::Set(d, kNegInf)), d, row + c);
-        }
-      }
-      if (bool_mask && mask_partial) {
-        const ConstTensorView m = o.mask;
-        const std::int64_t base = MaskOffset(m, g.seq.batch, h, g.seq.q_begin + i);
-        const std::int64_t js = m.rank() == 0 || m.size(-1) == 1 ? 0 : m.stride(-1);
-        const auto* bits = static_cast<const std::uint8_t*>(m.data());
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (bits[base + (g.seq.k_begin + j0 + c) * js] == 0) row[c] = kNegInf;
-        }
-      }
-      for (std::int64_t c = cols; c < cols_pad; ++c) row[c] = kNegInf;
-    }
-    if (plan.mods->mask_mod != nullptr && mask_partial) {
-      plan.mods->mask_mod(plan.mods->context,
-                          {s + gi * g.positions * lds, lds, u.s, h, u.i0, g.positions, j0, cols});
-    }
-  }
-}
-
-// Packs the key block [j0, j0 + cols) and computes its raw scores into sc.s.
-inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                        const TileShape& shape, std::int64_t j0, std::int64_t cols,
-                        std::int64_t cols_pad, Scratch& sc) {
-  const ConstTensorView k = plan.k;
-  const std::int64_t dk = k.size(3);
-  const std::int64_t rows = g.rows();
-  const std::uint8_t* k0 = At(k, g.seq.batch, g.seq.k_begin + j0, u.hkv);
-  if (plan.options->score == Score::additive) {
-    // Keys projected through W_k (+ bias) into [cols][a_pad].
-    for (std::int64_t c = 0; c < cols; ++c) {
-      LoadStridedRowF32(k0 + c * k.stride(1) * ElementBytes(k.dtype()), k.dtype(), dk, k.stride(3),
-                        sc.row.get());
-      Project(sc.row.get(), 1, dk, plan.additive_w_k, plan.additive_bias,
-              plan.problem->attention_size, shape.a_pad, sc.k.get() + c * shape.a_pad);
-    }
-    AdditiveScoresTile(sc.qa.get(), rows, sc.k.get(), cols, plan.additive_v.data(), shape.a_pad,
-                       sc.s.get(), shape.keys_pad);
-    return;
-  }
-  PackKeys(k0, k.dtype(), k.stride(1), k.stride(3), cols, cols_pad, dk, sc.row.get(), sc.k.get());
-  ScoresTile(sc.q.get(), rows, dk, sc.k.get(), cols_pad / PanelWidth(), sc.s.get(), shape.keys_pad);
-}
-
-inline TileShape ShapeOf(const FlashPlan& plan) {
-  const detail::AttentionProblem& p = *plan.problem;
-  const std::int64_t nr = PanelWidth();
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-  TileShape t;
-  t.rows = p.group() * plan.positions_per_unit;
-  t.keys_pad = RoundUp(std::max<std::int64_t>(plan.config.keys, 1), nr);
-  t.dk = std::max(p.dq, p.dk);
-  t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), nr);
-  t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);
-  return t;
-}
-
-// The classification of the explicit masks for block `jb` of unit `u`.
-inline BlockClass MaskClass(const FlashPlan& plan, const Unit& u, std::int64_t jb) {
-  if (plan.block_class.empty()) return BlockClass::full;
-  return plan.block_class[static_cast<std::size_t>(u.first_block + jb)];
+inline std::int64_t MaskKeyStride(ConstTensorView mask) {
+  return mask.rank() == 0 || mask.size(-1) == 1 ? 0 : mask.stride(-1);
 }
 
 inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
@@ -305,95 +207,274 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   return g;
 }
 
-// Packs the unit's queries (and for additive scores their projections).
-inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                           const TileShape& shape, Scratch& sc) {
-  const bool additive = plan.options->score == Score::additive;
-  PackQueries(plan, u, g, additive ? 1.0f : static_cast<float>(plan.problem->scale), sc.q.get());
-  if (additive) {
-    Project(sc.q.get(), g.rows(), plan.problem->dq, plan.additive_w_q, {},
-            plan.problem->attention_size, shape.a_pad, sc.qa.get());
+// Adds the biases (softcap, ALiBi, relative bias, float mask) and score_mod
+// to S^T, then (when partial) drops keys outside each query's range and those
+// the bool mask or mask_mod reject. Columns past the unit's rows are ignored
+// later, so they need no care.
+inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                          std::int64_t j0, std::int64_t cols, bool range_partial, bool mask_partial,
+                          float* HWY_RESTRICT s, std::int64_t rows_pad) {
+  const AttentionOptions& o = *plan.options;
+  const detail::AttentionProblem& p = *plan.problem;
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const hn::RebindToSigned<decltype(d)> di;
+  const auto iota = hn::ConvertTo(d, hn::Iota(di, 0));
+
+  if (o.softcap > 0.0) {
+    const auto cap = hn::Set(d, static_cast<float>(o.softcap));
+    const auto inv = hn::Set(d, static_cast<float>(1.0 / o.softcap));
+    for (std::int64_t c = 0; c < cols; ++c) {
+      float* row = s + c * rows_pad;
+      for (std::int64_t r = 0; r < rows_pad; r += lanes) {
+        hn::Store(hn::Mul(cap, hn::Tanh(d, hn::Mul(hn::Load(d, row + r), inv))), d, row + r);
+      }
+    }
+  }
+  const bool float_mask = o.mask.defined() && o.mask.dtype() != DType::boolean;
+  const bool bool_mask = o.mask.defined() && o.mask.dtype() == DType::boolean;
+  const bool per_batch_slopes =
+      !o.alibi_slopes.empty() && static_cast<std::int64_t>(o.alibi_slopes.size()) != p.hq;
+  const std::int64_t width = 2 * plan.relative_radius + 1;
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t h = u.hkv * g.group + gi;
+    const std::int64_t r0 = gi * g.positions;  // this head's first column
+    // Position of the head's first query on the key axis.
+    const std::int64_t pos0 = u.i0 + g.offset;
+    if (!o.alibi_slopes.empty()) {
+      const float slope =
+          o.alibi_slopes[static_cast<std::size_t>(per_batch_slopes ? u.s * p.hq + h : h)];
+      for (std::int64_t c = 0; c < cols; ++c) {
+        float* row = s + c * rows_pad + r0;
+        // -slope * |p_i - j| for this head's queries, a vector at a time.
+        const std::int64_t first = pos0 - (j0 + c);
+        std::int64_t t = 0;
+        for (; t + lanes <= g.positions; t += lanes) {
+          const auto delta = hn::Add(iota, hn::Set(d, static_cast<float>(first + t)));
+          hn::StoreU(hn::MulAdd(hn::Abs(delta), hn::Set(d, -slope), hn::LoadU(d, row + t)), d,
+                     row + t);
+        }
+        for (; t < g.positions; ++t) row[t] -= slope * static_cast<float>(std::llabs(first + t));
+      }
+    }
+    if (!plan.relative_bias.empty()) {
+      // bias(j - p_i) at index R + j - p_i: decreasing in i, so walk it backwards.
+      const float* table = plan.relative_bias.data() + h * width + plan.relative_radius;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        float* row = s + c * rows_pad + r0;
+        for (std::int64_t t = 0; t < g.positions; ++t) row[t] += table[j0 + c - (pos0 + t)];
+      }
+    }
+    if (float_mask) {
+      const ConstTensorView m = o.mask;
+      const std::int64_t js = MaskKeyStride(m);
+      for (std::int64_t t = 0; t < g.positions; ++t) {
+        const std::int64_t base = MaskRowOffset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          s[c * rows_pad + r0 + t] += static_cast<float>(
+              detail::load(m.data(), m.dtype(), base + (g.seq.k_begin + j0 + c) * js));
+        }
+      }
+    }
+    if (plan.mods->score_mod != nullptr) {
+      plan.mods->score_mod(plan.mods->context,
+                           {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
+    }
+    if (range_partial) {
+      // Key j is open to query i iff lo_i <= j < hi_i; both bounds grow with i.
+      for (std::int64_t t = 0; t < g.positions; ++t) {
+        const KeyRange range = RangeFor(o, pos0 + t, g.seq.nk);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const std::int64_t j = j0 + c;
+          if (j < range.lo || j >= range.hi) s[c * rows_pad + r0 + t] = kNegInf;
+        }
+      }
+    }
+    if (bool_mask && mask_partial) {
+      const ConstTensorView m = o.mask;
+      const std::int64_t js = MaskKeyStride(m);
+      const auto* bits = static_cast<const std::uint8_t*>(m.data());
+      for (std::int64_t t = 0; t < g.positions; ++t) {
+        const std::int64_t base = MaskRowOffset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (bits[base + (g.seq.k_begin + j0 + c) * js] == 0) s[c * rows_pad + r0 + t] = kNegInf;
+        }
+      }
+    }
+    if (plan.mods->mask_mod != nullptr && mask_partial) {
+      plan.mods->mask_mod(plan.mods->context,
+                          {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
+    }
   }
 }
 
-inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape, Scratch& sc) {
-  const AttentionOptions& o = *plan.options;
+// K rows [j0, j0 + cols) of the unit's KV head as f32 [cols][Dk]: from the
+// task's cache, or packed into scratch.
+inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                            const KvCache& cache, std::int64_t j0, std::int64_t cols, Scratch& sc) {
+  const std::int64_t dk = plan.problem->dk;
+  if (cache.k != nullptr) return cache.k + (j0 - cache.begin) * dk;
+  float* dst = plan.options->score == Score::additive ? sc.v.get() : sc.k.get();
+  PackRows(plan.k, g.seq, j0, cols, u.hkv, dk, dst);
+  return dst;
+}
+
+// V rows [j0, j0 + cols) as f32 [cols][dv_pad], from the cache or packed.
+inline const float* ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                              const TileShape& shape, const KvCache& cache, std::int64_t j0,
+                              std::int64_t cols, Scratch& sc) {
+  if (cache.v != nullptr) return cache.v + (j0 - cache.begin) * shape.dv_pad;
+  PackRows(plan.v, g.seq, j0, cols, u.hkv, shape.dv_pad, sc.v.get());
+  return sc.v.get();
+}
+
+// The raw S^T of key block [j0, j0 + cols) into sc.s.
+inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                        const TileShape& shape, const KvCache& cache, std::int64_t j0,
+                        std::int64_t cols, Scratch& sc) {
+  const detail::AttentionProblem& p = *plan.problem;
+  const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
+  if (plan.options->score == Score::additive) {
+    // Keys projected through W_k (+ bias) into [cols][a_pad].
+    Project(k_rows, cols, p.dk, plan.additive_w_k, plan.additive_bias, p.attention_size,
+            shape.a_pad, sc.k.get());
+    AdditiveScoresTransposed(sc.qa.get(), g.rows(), sc.k.get(), cols, plan.additive_v.data(),
+                             shape.a_pad, sc.s.get(), shape.rows_pad);
+    return;
+  }
+  ScoresTransposed(k_rows, p.dk, cols, p.dk, sc.q.get(), shape.rows_pad, sc.s.get());
+}
+
+inline TileShape ShapeOf(const FlashPlan& plan) {
+  const detail::AttentionProblem& p = *plan.problem;
+  const std::int64_t nr = PanelWidth();
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  TileShape t;
+  t.rows_pad = RoundUp(std::max<std::int64_t>(p.group() * plan.positions_per_unit, 1), nr);
+  t.keys = std::max<std::int64_t>(plan.config.keys, 1);
+  t.dk = std::max({p.dq, p.dk, std::int64_t{1}});
+  t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), nr);
+  t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);
+  return t;
+}
+
+// The classification of the explicit masks for block `jb` of unit `u`.
+inline BlockClass MaskClass(const FlashPlan& plan, const Unit& u, std::int64_t jb) {
+  if (plan.block_class.empty()) return BlockClass::full;
+  return plan.block_class[static_cast<std::size_t>(u.first_block + jb)];
+}
+
+// Packs the unit's queries: Q^T panels scaled by the score scale, or for the
+// additive score Q rows and their projections Q W_q^T.
+inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                           const TileShape& shape, Scratch& sc) {
+  const detail::AttentionProblem& p = *plan.problem;
+  const ConstTensorView q = plan.q;
+  const std::int64_t nr = PanelWidth();
+  const bool additive = plan.options->score == Score::additive;
+  const auto scale = static_cast<float>(p.scale);
+  float* row = sc.row.get();
+  std::fill_n(sc.q.get(), shape.rows_pad * shape.dk, 0.0f);
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      const std::int64_t r = gi * g.positions + t;
+      const std::uint8_t* src = At(q, g.seq.batch, g.seq.q_begin + u.i0 + t, u.hkv * g.group + gi);
+      if (additive) {
+        LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), sc.q.get() + r * p.dq);
+        continue;
+      }
+      LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), row);
+      float* panel = sc.q.get() + (r / nr) * p.dq * nr + r % nr;
+      for (std::int64_t k = 0; k < p.dq; ++k) panel[k * nr] = row[k] * scale;
+    }
+  }
+  if (additive) {
+    Project(sc.q.get(), g.rows(), p.dq, plan.additive_w_q, {}, p.attention_size, shape.a_pad,
+            sc.qa.get());
+  }
+}
+
+// The key blocks a unit visits: from the block holding its first row's
+// lowest key to its last row's highest.
+struct BlockSpan {
+  KeyRange first, last;
+  std::int64_t begin, end;  // block indices
+};
+inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry& g) {
+  BlockSpan b;
+  b.first = RangeFor(*plan.options, u.i0 + g.offset, g.seq.nk);
+  b.last = RangeFor(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
+  const std::int64_t bk = plan.config.keys;
+  b.begin = b.first.lo / bk;
+  b.end = b.last.hi > b.first.lo ? (b.last.hi + bk - 1) / bk : b.begin;
+  return b;
+}
+
+inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
+                        const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const std::int64_t rows = g.rows();
-  const std::int64_t nr = PanelWidth();
+  const std::int64_t rows_pad = shape.rows_pad;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t bk = plan.config.keys;
   const std::int64_t dv = plan.problem->dv;
-  const std::int64_t dv_panels = shape.dv_pad / nr;
 
   PrepareQueries(plan, u, g, shape, sc);
   float* m = sc.m.get();
   float* l = sc.l.get();
-  float* out_acc = sc.o.get();
-  std::fill_n(m, rows, kNegInf);
-  std::fill_n(l, rows, 0.0f);
-  std::fill_n(out_acc, rows * shape.dv_pad, 0.0f);
+  float* alpha = sc.alpha.get();
+  float* o = sc.o.get();
+  std::fill_n(m, rows_pad, kNegInf);
+  std::fill_n(l, rows_pad, 0.0f);
+  std::fill_n(o, rows_pad * shape.dv_pad, 0.0f);
 
-  // Monotone in the position: the first row has the lowest range, the last
-  // the highest.
-  const KeyRange first = RangeFor(o, u.i0 + g.offset, g.seq.nk);
-  const KeyRange last = RangeFor(o, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
-  for (std::int64_t jb = first.lo / bk; jb * bk < last.hi; ++jb) {
+  const BlockSpan span = SpanOf(plan, u, g);
+  for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
     const std::int64_t j0 = jb * bk;
     const std::int64_t cols = std::min(bk, g.seq.nk_rows - j0);
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
-    const bool range_partial = !(last.lo <= j0 && first.hi >= j0 + cols);
-    const std::int64_t cols_pad = RoundUp(cols, nr);
+    const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
 
-    BlockScores(plan, u, g, shape, j0, cols, cols_pad, sc);
-    ModifyAndMask(plan, u, g, j0, cols, cols_pad, range_partial, mask_class == BlockClass::partial,
-                  sc.s.get(), shape.keys_pad);
-
-    // Online softmax, row by row.
+    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
     float* s = sc.s.get();
+    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial, s,
+                  rows_pad);
+
+    // Online softmax, vectorized across queries (columns of S^T). Masked
+    // scores are -inf and give exactly 0; a NaN score gives NaN through the
+    // exp, the sum and the output, whatever the maximum.
+    for (std::int64_t r = 0; r < rows_pad; r += lanes) {
+      auto block_max = hn::Set(d, kNegInf);
+      for (std::int64_t c = 0; c < cols; ++c)
+        block_max = hn::Max(block_max, hn::Load(d, s + c * rows_pad + r));
+      const auto m_old = hn::Load(d, m + r);
+      const auto m_new = hn::Max(m_old, block_max);
+      // Subtract 0 where nothing is admitted yet, so exp(-inf - 0) = 0.
+      const auto shift = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);
+      auto sum = hn::Zero(d);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        float* x = s + c * rows_pad + r;
+        const auto pexp = FastExp(d, hn::Sub(hn::Load(d, x), shift));
+        hn::Store(pexp, d, x);
+        sum = hn::Add(sum, pexp);
+      }
+      const auto a = FastExp(d, hn::Sub(m_old, shift));
+      hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
+      hn::Store(m_new, d, m + r);
+      hn::Store(a, d, alpha + r);
+    }
     for (std::int64_t r = 0; r < rows; ++r) {
-      float* row = s + r * shape.keys_pad;
-      auto vmax = hn::Set(d, kNegInf);
-      for (std::int64_t c = 0; c < cols_pad; c += lanes) vmax = hn::Max(vmax, hn::Load(d, row + c));
-      float block_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
-      if (block_max == kNegInf) {
-        // Nothing admitted here, unless only NaN scores (which poison the row).
-        bool nan = false;
-        for (std::int64_t c = 0; c < cols; ++c) nan = nan || std::isnan(row[c]);
-        if (!nan) {
-          std::fill_n(row, cols_pad, 0.0f);
-          continue;
-        }
-        block_max = std::numeric_limits<float>::quiet_NaN();
-      }
-      // A NaN maximum sticks, so everything after it in the row is NaN.
-      const float m_new = std::isnan(m[r]) || std::isnan(block_max)
-                              ? std::numeric_limits<float>::quiet_NaN()
-                              : std::max(m[r], block_max);
-      const auto vm = hn::Set(d, m_new);
-      auto vsum = hn::Zero(d);
-      for (std::int64_t c = 0; c < cols_pad; c += lanes) {
-        const auto pexp = FastExp(d, hn::Sub(hn::Load(d, row + c), vm));
-        hn::Store(pexp, d, row + c);
-        vsum = hn::Add(vsum, pexp);
-      }
-      const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-      l[r] = alpha * l[r] + hn::GetLane(hn::SumOfLanes(d, vsum));
-      m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* orow = out_acc + r * shape.dv_pad;
-        for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
-          hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, alpha)), d, orow + c);
-        }
+      if (alpha[r] == 1.0f) continue;  // the running max did not move
+      float* orow = o + r * shape.dv_pad;
+      const auto a = hn::Set(d, alpha[r]);
+      for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
+        hn::Store(hn::Mul(hn::Load(d, orow + c), a), d, orow + c);
       }
     }
-    const ConstTensorView v = plan.v;
-    PackValues(At(v, g.seq.batch, g.seq.k_begin + j0, u.hkv), v.dtype(), v.stride(1), v.stride(3),
-               cols, cols_pad, dv, shape.dv_pad, sc.row.get(), sc.v.get());
-    AccumulateValues(s, rows, shape.keys_pad, cols, sc.v.get(), cols_pad, dv_panels, out_acc,
-                     shape.dv_pad);
+    AccumulateValues(s, rows_pad, rows, cols, ValueRows(plan, u, g, shape, cache, j0, cols, sc),
+                     shape.dv_pad, shape.dv_pad, o, shape.dv_pad);
   }
 
   // O / l into out (rounded once), m + log l into lse.
@@ -404,7 +485,7 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t r = gi * g.positions + t;
       const std::int64_t qrow = g.seq.q_begin + u.i0 + t;
-      float* orow = out_acc + r * shape.dv_pad;
+      float* orow = o + r * shape.dv_pad;
       const float inv = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
         hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, inv)), d, orow + c);
@@ -429,75 +510,110 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
 
 // Probabilities of one unit: P = exp(S - lse) per admitted key, 0 elsewhere.
 inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
-                              Scratch& sc) {
-  const AttentionOptions& o = *plan.options;
+                              const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
-  const std::int64_t nr = PanelWidth();
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t bk = plan.config.keys;
+  const std::int64_t rows_pad = shape.rows_pad;
   const TensorView probs = plan.probs;
   const TensorView lse = plan.lse;
   auto* pdata = static_cast<float*>(probs.data());
+  auto prob_row = [&](std::int64_t gi, std::int64_t t) {
+    return pdata + g.seq.batch * probs.stride(0) + (u.hkv * g.group + gi) * probs.stride(1) +
+           (g.seq.q_begin + u.i0 + t) * probs.stride(2);
+  };
 
   PrepareQueries(plan, u, g, shape, sc);
   // Zero every probability of the unit's rows, then fill the open blocks.
+  float* row_lse = sc.m.get();
+  std::fill_n(row_lse, rows_pad, kNegInf);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     for (std::int64_t t = 0; t < g.positions; ++t) {
-      float* prow = pdata + g.seq.batch * probs.stride(0) +
-                    (u.hkv * g.group + gi) * probs.stride(1) +
-                    (g.seq.q_begin + u.i0 + t) * probs.stride(2);
+      float* prow = prob_row(gi, t);
       for (std::int64_t j = 0; j < probs.size(3); ++j) prow[j * probs.stride(3)] = 0.0f;
+      row_lse[gi * g.positions + t] = static_cast<const float*>(
+          lse.data())[g.seq.batch * lse.stride(0) + (u.hkv * g.group + gi) * lse.stride(1) +
+                      (g.seq.q_begin + u.i0 + t) * lse.stride(2)];
     }
   }
-  const KeyRange first = RangeFor(o, u.i0 + g.offset, g.seq.nk);
-  const KeyRange last = RangeFor(o, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
-  for (std::int64_t jb = first.lo / bk; jb * bk < last.hi; ++jb) {
+  const BlockSpan span = SpanOf(plan, u, g);
+  for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
     const std::int64_t j0 = jb * bk;
     const std::int64_t cols = std::min(bk, g.seq.nk_rows - j0);
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
-    const bool range_partial = !(last.lo <= j0 && first.hi >= j0 + cols);
-    const std::int64_t cols_pad = RoundUp(cols, nr);
-    BlockScores(plan, u, g, shape, j0, cols, cols_pad, sc);
-    ModifyAndMask(plan, u, g, j0, cols, cols_pad, range_partial, mask_class == BlockClass::partial,
-                  sc.s.get(), shape.keys_pad);
+    const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
+    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
+    float* s = sc.s.get();
+    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial, s,
+                  rows_pad);
+    for (std::int64_t r = 0; r < rows_pad; r += lanes) {
+      // Fully masked rows (lse = -inf) keep probability 0.
+      const auto v_lse = hn::Load(d, row_lse + r);
+      const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
+      for (std::int64_t c = 0; c < cols; ++c) {
+        float* x = s + c * rows_pad + r;
+        hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
+      }
+    }
     for (std::int64_t gi = 0; gi < g.group; ++gi) {
-      const std::int64_t h = u.hkv * g.group + gi;
       for (std::int64_t t = 0; t < g.positions; ++t) {
-        const std::int64_t qrow = g.seq.q_begin + u.i0 + t;
-        float* row = sc.s.get() + (gi * g.positions + t) * shape.keys_pad;
-        const float row_lse = static_cast<const float*>(
-            lse.data())[g.seq.batch * lse.stride(0) + h * lse.stride(1) + qrow * lse.stride(2)];
-        if (row_lse == kNegInf) continue;  // fully masked row: stays 0
-        for (std::int64_t c = 0; c < cols_pad; c += lanes) {
-          hn::Store(FastExp(d, hn::Sub(hn::Load(d, row + c), hn::Set(d, row_lse))), d, row + c);
-        }
-        float* prow = pdata + g.seq.batch * probs.stride(0) + h * probs.stride(1) +
-                      qrow * probs.stride(2) + (g.seq.k_begin + j0) * probs.stride(3);
-        for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = row[c];
+        float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
+        const float* col = s + gi * g.positions + t;
+        for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = col[c * rows_pad];
       }
     }
   }
 }
 
-// Runs `unit_fn` over all units on OpenMP threads with per-thread scratch.
+// Packs the keys and values a task needs once, when they fit the per-thread
+// budget: consecutive keys of a [B, N, H, D] tensor lie H * D elements apart,
+// so packing them block by block for every unit would re-read every key from
+// a different page each time.
+inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShape& shape,
+                         Scratch& sc) {
+  const Unit& first_unit = plan.units[static_cast<std::size_t>(task.unit_begin)];
+  const Unit& last_unit = plan.units[static_cast<std::size_t>(task.unit_end - 1)];
+  const BlockSpan first = SpanOf(plan, first_unit, GeometryOf(plan, first_unit));
+  const UnitGeometry g = GeometryOf(plan, last_unit);
+  const BlockSpan last = SpanOf(plan, last_unit, g);
+  const std::int64_t begin = std::min(first.begin * plan.config.keys, g.seq.nk_rows);
+  const std::int64_t end = std::min(last.end * plan.config.keys, g.seq.nk_rows);
+  const std::int64_t n = end - begin;
+  const std::int64_t floats = n * std::max(plan.problem->dk, shape.dv_pad);
+  if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kKvCacheBytes) return {};
+  if (floats > sc.cache_capacity) {
+    sc.k_cache = Scratch::Alloc(floats);
+    sc.v_cache = Scratch::Alloc(floats);
+    sc.cache_capacity = floats;
+  }
+  PackRows(plan.k, g.seq, begin, n, last_unit.hkv, plan.problem->dk, sc.k_cache.get());
+  PackRows(plan.v, g.seq, begin, n, last_unit.hkv, shape.dv_pad, sc.v_cache.get());
+  return {sc.k_cache.get(), sc.v_cache.get(), begin};
+}
+
+// Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch.
 template <class UnitFn>
-void ForEachUnit(const FlashPlan& plan, UnitFn unit_fn) {
+void ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
   const TileShape shape = ShapeOf(plan);
-  const auto n = static_cast<std::int64_t>(plan.units.size());
+  const auto n = static_cast<std::int64_t>(plan.tasks.size());
 #pragma omp parallel
   {
     Scratch scratch(shape);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
-      unit_fn(plan, plan.units[static_cast<std::size_t>(i)], shape, scratch);
+      const Task& task = plan.tasks[static_cast<std::size_t>(i)];
+      const KvCache cache = CacheTask(plan, task, shape, scratch);
+      for (std::int64_t u = task.unit_begin; u < task.unit_end; ++u) {
+        unit_fn(plan, plan.units[static_cast<std::size_t>(u)], shape, cache, scratch);
+      }
     }
   }
 }
 
-inline void FlashForwardImpl(const FlashPlan& plan) { ForEachUnit(plan, ForwardUnit); }
-inline void FlashProbabilitiesImpl(const FlashPlan& plan) { ForEachUnit(plan, ProbabilitiesUnit); }
+inline void FlashForwardImpl(const FlashPlan& plan) { ForEachTask(plan, ForwardUnit); }
+inline void FlashProbabilitiesImpl(const FlashPlan& plan) { ForEachTask(plan, ProbabilitiesUnit); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::cpu

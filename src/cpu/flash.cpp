@@ -37,8 +37,11 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "core/elements.hpp"
 #include "qkv/positional.hpp"
@@ -107,7 +110,7 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
     }
     if (mods.admitted != nullptr) {
       const std::int64_t n =
-          mods.admitted(mods.context, {nullptr, 0, u.s, h, u.i0, u.positions, j0, cols});
+          mods.admitted(mods.context, {nullptr, 0, 0, u.s, h, u.i0, u.positions, j0, cols});
       if (n == 0) admitted = 0;
       if (n < total) all_full = false;
     }
@@ -118,7 +121,26 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
   return all_full ? BlockClass::full : BlockClass::partial;
 }
 
+// Positive integer from the environment, or `fallback`.
+std::int64_t env_size(const char* name, std::int64_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return fallback;
+  const long long value = std::atoll(text);
+  return value > 0 ? value : fallback;
+}
+
 }  // namespace
+
+FlashConfig flash_config() {
+  // Read once: the tile sizes are a property of the machine, not of a call.
+  static const FlashConfig config = [] {
+    FlashConfig c;
+    c.rows = env_size("QKV_FLASH_ROWS", c.rows);
+    c.keys = env_size("QKV_FLASH_KEYS", c.keys);
+    return c;
+  }();
+  return config;
+}
 
 FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
@@ -133,19 +155,32 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
   plan.out = out;
   plan.lse = lse;
   plan.probs = probs;
+  plan.config = flash_config();
   const std::int64_t group = std::max<std::int64_t>(problem.group(), 1);
   plan.positions_per_unit = std::max<std::int64_t>(1, plan.config.rows / group);
 
   const bool classify_blocks = (options.mask.defined() && options.mask.dtype() == DType::boolean) ||
                                mods.admitted != nullptr;
   std::int64_t blocks = 0;
+  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t heads = std::max<std::int64_t>(problem.sequences * problem.hkv, 1);
   for (std::int64_t s = 0; s < problem.sequences; ++s) {
     const detail::SequenceExtent seq = problem.sequence(s, options);
     const std::int64_t seq_blocks = (seq.nk_rows + plan.config.keys - 1) / plan.config.keys;
     for (std::int64_t hkv = 0; hkv < problem.hkv; ++hkv) {
+      const auto head_begin = static_cast<std::int64_t>(plan.units.size());
       for (std::int64_t i0 = 0; i0 < seq.nq; i0 += plan.positions_per_unit) {
         plan.units.push_back({s, hkv, i0, std::min(plan.positions_per_unit, seq.nq - i0), blocks});
         if (classify_blocks) blocks += seq_blocks;
+      }
+      // Split the head's units into tasks: as few as keep every thread busy
+      // (each task packs its keys once). Results do not depend on the split.
+      const auto head_units = static_cast<std::int64_t>(plan.units.size()) - head_begin;
+      const std::int64_t chunks = std::clamp<std::int64_t>((4 * threads + heads - 1) / heads, 1,
+                                                           std::max<std::int64_t>(head_units, 1));
+      for (std::int64_t c = 0; c < chunks && head_units > 0; ++c) {
+        plan.tasks.push_back(
+            {head_begin + head_units * c / chunks, head_begin + head_units * (c + 1) / chunks});
       }
     }
   }

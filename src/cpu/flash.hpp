@@ -14,9 +14,13 @@ namespace qkv::cpu {
 // Tile sizes. Rows of a tile are (query head of a KV group) x (query
 // position); columns are keys.
 struct FlashConfig {
-  std::int64_t rows = 64;   // target rows of a Q tile (all heads of a KV group)
+  std::int64_t rows = 96;   // target rows of a Q tile (all heads of a KV group)
   std::int64_t keys = 256;  // keys per KV tile
 };
+
+// The tile sizes in use: FlashConfig's defaults, overridden by the
+// environment variables QKV_FLASH_ROWS and QKV_FLASH_KEYS (for tuning).
+FlashConfig flash_config();
 
 // How a (unit, key block) tile relates to the explicit masks.
 enum class BlockClass : std::uint8_t { empty, partial, full };
@@ -31,6 +35,13 @@ struct Unit {
   std::int64_t first_block = 0;  // index of this unit's first entry in block_class
 };
 
+// A run of consecutive units of one (sequence, KV head) that one thread
+// processes in order, sharing one packing of their keys and values.
+struct Task {
+  std::int64_t unit_begin = 0;
+  std::int64_t unit_end = 0;
+};
+
 struct FlashPlan {
   const detail::AttentionProblem* problem = nullptr;
   const AttentionOptions* options = nullptr;
@@ -41,7 +52,8 @@ struct FlashPlan {
   TensorView probs;  // f32 [B, Hq, Nq, Nk]; undefined unless requested
   FlashConfig config;
   std::int64_t positions_per_unit = 0;
-  std::vector<Unit> units;
+  std::vector<Unit> units;  // grouped by (sequence, KV head), positions ascending
+  std::vector<Task> tasks;
   // Per unit, per key block (empty when no bool mask and no mask_mod):
   // classification of the explicit masks.
   std::vector<BlockClass> block_class;
