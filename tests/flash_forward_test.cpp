@@ -1,5 +1,5 @@
 // The fused CPU kernels against the reference, with the tolerance policy of
-// docs/numerics: on the same inputs, the fast path's largest error against
+// docs/numerics.md: on the same inputs, the fast path's largest error against
 // the reference (computed in double) must be at most twice the error of the
 // naive computation in the input precision (reference::naive_attention),
 // plus half an ulp of the output's format at the output's magnitude.

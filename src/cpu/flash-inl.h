@@ -353,7 +353,7 @@ inline TileShape ShapeOf(const FlashPlan& plan) {
   t.rows_pad = RoundUp(std::max<std::int64_t>(p.group() * plan.positions_per_unit, 1), nr);
   t.keys = std::max<std::int64_t>(plan.config.keys, 1);
   t.dk = std::max({p.dq, p.dk, std::int64_t{1}});
-  t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), nr);
+  t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), ValueWidth());
   t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);
   return t;
 }

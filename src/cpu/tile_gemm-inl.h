@@ -5,7 +5,7 @@
 //   O[rows][Dv]     += (S^T)^T . V[keys][Dv]
 // BLIS-style: a strip of up to kStrip elements of A is broadcast one at a
 // time against two vectors of B, keeping kStrip x 2 accumulators in
-// registers (6 x 2 + 2 + 1 = 15 of AVX2's 16 vector registers).
+// registers.
 //
 // Layouts (NR = 2 vectors of floats): Q^T as panels [rows_pad / NR][Dk][NR];
 // K and V row-major, contiguous, with leading dimensions ldk and ldv; S^T
@@ -28,57 +28,65 @@ namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-inline constexpr int kStrip = 6;
+// Register tiles (strip rows x vectors) of the two products. 6 x 2 leaves
+// room for the two B vectors and a broadcast in AVX2's 16 registers; 3 x 4
+// measured no better here within the run-to-run noise.
+inline constexpr int kScoreStrip = 6;
+inline constexpr int kScoreVecs = 2;
+inline constexpr int kValueStrip = 6;
+inline constexpr int kValueVecs = 2;
 
-inline std::int64_t PanelWidth() {
-  return 2 * static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+inline std::int64_t Lanes() {
+  return static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
 }
+// Width of a Q^T panel (the scores' B operand).
+inline std::int64_t PanelWidth() { return kScoreVecs * Lanes(); }
+// Multiple that the padded value width must have.
+inline std::int64_t ValueWidth() { return kValueVecs * Lanes(); }
 
 // c[R][NR] (row stride ldc) = sum_k a[r * a_row + k * a_k] * b[k * NR .. +NR]
 // with `accumulate` adding to c instead of overwriting it.
-template <int R, bool kAccumulate>
+template <int R, int kVecs, bool kAccumulate>
 HWY_INLINE void Micro(const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                       std::int64_t depth, const float* HWY_RESTRICT b, std::int64_t ldb,
                       float* HWY_RESTRICT c, std::int64_t ldc) {
   const hn::ScalableTag<float> d;
   const std::size_t n = hn::Lanes(d);
   using V = hn::Vec<decltype(d)>;
-  V acc0[R], acc1[R];
+  V acc[R][kVecs];
   for (int r = 0; r < R; ++r) {
-    acc0[r] = kAccumulate ? hn::LoadU(d, c + r * ldc) : hn::Zero(d);
-    acc1[r] = kAccumulate ? hn::LoadU(d, c + r * ldc + n) : hn::Zero(d);
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = kAccumulate ? hn::LoadU(d, c + r * ldc + v * n) : hn::Zero(d);
+    }
   }
   for (std::int64_t k = 0; k < depth; ++k) {
-    const V b0 = hn::LoadU(d, b + k * ldb);
-    const V b1 = hn::LoadU(d, b + k * ldb + n);
+    V b_vec[kVecs];
+    for (int v = 0; v < kVecs; ++v) b_vec[v] = hn::LoadU(d, b + k * ldb + v * n);
     for (int r = 0; r < R; ++r) {
       const V x = hn::Set(d, a[r * a_row + k * a_k]);
-      acc0[r] = hn::MulAdd(x, b0, acc0[r]);
-      acc1[r] = hn::MulAdd(x, b1, acc1[r]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = hn::MulAdd(x, b_vec[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    hn::StoreU(acc0[r], d, c + r * ldc);
-    hn::StoreU(acc1[r], d, c + r * ldc + n);
+    for (int v = 0; v < kVecs; ++v) hn::StoreU(acc[r][v], d, c + r * ldc + v * n);
   }
 }
 
 // Calls f(std::integral_constant<int, R>) for the strip height R = min(rows, kStrip).
-template <class F>
+template <int kStrip, class F>
 HWY_INLINE void WithStrip(std::int64_t rows, F&& f) {
+  if (rows >= kStrip) return f(std::integral_constant<int, kStrip>());
   switch (rows) {
     case 1:
       return f(std::integral_constant<int, 1>());
     case 2:
       return f(std::integral_constant<int, 2>());
     case 3:
-      return f(std::integral_constant<int, 3>());
+      return f(std::integral_constant<int, (kStrip > 3 ? 3 : 1)>());
     case 4:
-      return f(std::integral_constant<int, 4>());
-    case 5:
-      return f(std::integral_constant<int, 5>());
+      return f(std::integral_constant<int, (kStrip > 4 ? 4 : 1)>());
     default:
-      return f(std::integral_constant<int, kStrip>());
+      return f(std::integral_constant<int, (kStrip > 5 ? 5 : 1)>());
   }
 }
 
@@ -90,10 +98,10 @@ inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std:
                              std::int64_t rows_pad, float* HWY_RESTRICT s) {
   const std::int64_t nr = PanelWidth();
   for (std::int64_t p = 0; p < rows_pad; p += nr) {
-    for (std::int64_t j0 = 0; j0 < keys; j0 += kStrip) {
-      WithStrip(keys - j0, [&](auto strip) {
-        Micro<strip(), false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
-                              s + j0 * rows_pad + p, rows_pad);
+    for (std::int64_t j0 = 0; j0 < keys; j0 += kScoreStrip) {
+      WithStrip<kScoreStrip>(keys - j0, [&](auto strip) {
+        Micro<strip(), kScoreVecs, false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
+                                          s + j0 * rows_pad + p, rows_pad);
       });
     }
   }
@@ -106,11 +114,12 @@ inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pa
                              std::int64_t rows, std::int64_t keys, const float* HWY_RESTRICT v,
                              std::int64_t ldv, std::int64_t dv_pad, float* HWY_RESTRICT o,
                              std::int64_t ldo) {
-  const std::int64_t nr = PanelWidth();
+  const std::int64_t nr = ValueWidth();
   for (std::int64_t c = 0; c < dv_pad; c += nr) {
-    for (std::int64_t r0 = 0; r0 < rows; r0 += kStrip) {
-      WithStrip(rows - r0, [&](auto strip) {
-        Micro<strip(), true>(p_t + r0, 1, rows_pad, keys, v + c, ldv, o + r0 * ldo + c, ldo);
+    for (std::int64_t r0 = 0; r0 < rows; r0 += kValueStrip) {
+      WithStrip<kValueStrip>(rows - r0, [&](auto strip) {
+        Micro<strip(), kValueVecs, true>(p_t + r0, 1, rows_pad, keys, v + c, ldv, o + r0 * ldo + c,
+                                         ldo);
       });
     }
   }
