@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev
   libbenchmark-dev    # Google Benchmark
   libcli11-dev        # command line parsing for the qkv tool
+  libopenblas-openmp-dev  # sgemm for `qkv bench`'s naive baseline (OpenMP build: no nested threads)
 )
 
 missing=()

@@ -431,8 +431,10 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
 
   const BlockSpan span = SpanOf(plan, u, g);
   for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
-    const std::int64_t j0 = jb * bk;
-    const std::int64_t cols = std::min(bk, g.seq.nk_rows - j0);
+    // Keys of the block that some row of the unit may attend to. Trimming
+    // changes no row's grouping of its admitted keys, so results stay the same.
+    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
+    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
     const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
@@ -539,8 +541,10 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
   }
   const BlockSpan span = SpanOf(plan, u, g);
   for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
-    const std::int64_t j0 = jb * bk;
-    const std::int64_t cols = std::min(bk, g.seq.nk_rows - j0);
+    // Keys of the block that some row of the unit may attend to. Trimming
+    // changes no row's grouping of its admitted keys, so results stay the same.
+    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
+    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
     const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);

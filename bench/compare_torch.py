@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Wall-clock time of qkv's fused CPU attention against PyTorch's CPU SDPA.
+
+Runs `qkv bench --json` for the selected forward cases, then times the same
+shapes through torch.nn.functional.scaled_dot_product_attention on the CPU,
+with the same thread count, dtype and repeats: inputs made as [B, N, H, D] and
+viewed as [B, H, N, D] with .transpose(1, 2) (as users do), is_causal for the
+causal cases, and a boolean attn_mask (True = attend, built outside the timed
+region) for sliding windows. Both sides report the median of --repeats timed
+runs after one warm-up run. speedup = torch_seconds / qkv_seconds (> 1: qkv
+is faster). Forward pass only, no autograd.
+
+Install torch from PyPI only (see bench/requirements.txt):
+    python3 -m pip install -r bench/requirements.txt
+On Linux x86_64 PyPI's torch is the CUDA build: it pulls about 3 GB of
+nvidia-* and triton wheels (about 5.3 GB on disk); PyPI has no CPU-only
+torch wheel for this platform. The CPU kernels are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_QKV = REPO_ROOT / "build" / "release" / "qkv"
+# N=8192 (and the H1/N65536 case) take long in torch, above all with a
+# materialized window mask: select them explicitly with --filter.
+DEFAULT_FILTER = r"/N(512|2048)/|/cross$"
+SAMPLE_LINE = (
+    '{"suite":"forward","name":"fwd/bf16/B1/H16/N512/D64/window256","impl":"qkv",'
+    '"dtype":"bf16","B":1,"Hq":16,"Hkv":16,"Nq":512,"Nk":512,"D":64,"causal":true,'
+    '"window":[256,0],"threads":2,"seconds":0.00123,"gflops":10.5,"peak_gflops":100,'
+    '"fraction_of_peak":0.105,"extra_bytes":0,"target":"AVX2"}'
+)
+
+
+def parse_records(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The impl == "qkv" records among `qkv bench --json` lines (skips the probe line)."""
+    records = []
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        if record.get("suite") != "probe" and record.get("impl") == "qkv":
+            records.append(record)
+    return records
+
+
+def run_qkv(qkv: Path, filter_: str, threads: int, repeats: int) -> list[dict[str, Any]]:
+    """Runs `qkv bench --json` (its progress goes to our stderr) and parses its output."""
+    if not qkv.is_file() or not os.access(qkv, os.X_OK):
+        sys.exit(f"compare_torch: no qkv binary at {qkv}\n"
+                 "  build it first (cmake --preset release && cmake --build --preset release)"
+                 " or pass --qkv PATH")
+    cmd = [str(qkv), "bench", "--json", "--filter", filter_,
+           "--threads", str(threads), "--repeats", str(repeats)]
+    print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"compare_torch: `{shlex.join(cmd)}` exited with {proc.returncode}"
+                 " (does this qkv binary have the `bench` subcommand? is the filter right?)")
+    records = parse_records(proc.stdout.splitlines())
+    if not records:
+        sys.exit("compare_torch: qkv bench printed no impl == \"qkv\" records")
+    return records
+
+
+def window_mask(torch: Any, nq: int, nk: int, causal: bool, left: int, right: int) -> Any:
+    """[Nq, Nk] bool mask, True = attend; bottom-right aligned; -1 = unbounded side."""
+    q = torch.arange(nq).unsqueeze(1) + (nk - nq)  # query i sits at key position i + Nk - Nq
+    k = torch.arange(nk).unsqueeze(0)
+    mask = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        mask &= k <= q
+    if left >= 0:
+        mask &= k >= q - left
+    if right >= 0:
+        mask &= k <= q + right
+    return mask
+
+
+def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
+    """Median seconds of torch SDPA on the shape of one qkv bench record."""
+    torch.set_num_threads(threads)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[rec["dtype"]]
+    b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
+    gen = torch.Generator().manual_seed(20240501)
+
+    def make(n: int, h: int) -> Any:  # uniform [-1, 1), laid out [B, N, H, D] like qkv's inputs
+        x = torch.rand(b, n, h, d, generator=gen) * 2 - 1
+        return x.to(dtype).transpose(1, 2)
+
+    q, k, v = make(nq, hq), make(nk, hkv), make(nk, hkv)
+    causal = bool(rec["causal"])
+    left, right = rec.get("window", [-1, -1])
+    kwargs: dict[str, Any] = {}
+    if hq != hkv:
+        kwargs["enable_gqa"] = True
+    if left >= 0 or right >= 0 or (causal and nq != nk):  # torch's is_causal is top-left aligned
+        kwargs["attn_mask"] = window_mask(torch, nq, nk, causal, left, right)
+    elif causal:
+        kwargs["is_causal"] = True
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    times = []
+    with torch.inference_mode():
+        sdpa(q, k, v, **kwargs)  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sdpa(q, k, v, **kwargs)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def self_test(torch: Any, threads: int, repeats: int) -> None:
+    """Checks the JSON parsing and the window mask, then times one small torch case."""
+    recs = parse_records(['{"suite":"probe","peak_gflops":100,"threads":2,"target":"AVX2"}',
+                          SAMPLE_LINE, SAMPLE_LINE.replace('"impl":"qkv"', '"impl":"naive"'),
+                          "qkv bench: progress text"])
+    assert len(recs) == 1 and recs[0]["window"] == [256, 0] and recs[0]["Nq"] == 512, recs
+    mask = window_mask(torch, 512, 512, True, 256, 0)
+    assert mask.sum(1).tolist() == [min(i, 256) + 1 for i in range(512)]
+    assert torch.equal(window_mask(torch, 4, 6, True, -1, -1),
+                       torch.ones(4, 6, dtype=torch.bool).tril(2))  # bottom-right aligned
+    # The window mask gives what an explicit softmax over the same mask gives.
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    m = window_mask(torch, 40, 40, True, 5, 0)
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~m, float("-inf"))
+    want = scores.softmax(-1) @ v
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    print("self-test: JSON parsing and window masks OK")
+    rec = json.loads(SAMPLE_LINE) | {"name": "fwd/f32/B1/H16/N512/D64/full", "dtype": "f32",
+                                     "causal": False, "window": [-1, -1]}
+    seconds = time_torch(torch, rec, threads, repeats)
+    print(f"self-test: torch {torch.__version__} SDPA {rec['name']}: {seconds * 1e3:.3f} ms "
+          f"(median of {repeats}, {threads} threads)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--qkv", type=Path, default=DEFAULT_QKV,
+                        help=f"qkv binary (default: {DEFAULT_QKV.relative_to(REPO_ROOT)})")
+    parser.add_argument("--filter", default=DEFAULT_FILTER,
+                        help=f"case-name regex passed to qkv bench (default: {DEFAULT_FILTER!r})")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="threads for both qkv and torch (default: usable cores)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (default: 5)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per case")
+    parser.add_argument("--self-test", action="store_true",
+                        help="check parsing and masks, time one small torch case; no qkv needed")
+    args = parser.parse_args()
+    if args.threads < 1 or args.repeats < 1:
+        parser.error("--threads and --repeats must be positive")
+
+    try:
+        import torch
+    except ImportError:
+        sys.exit("compare_torch: torch is not installed: "
+                 "python3 -m pip install -r bench/requirements.txt")
+    if args.self_test:
+        self_test(torch, args.threads, args.repeats)
+        return
+
+    records = run_qkv(args.qkv, args.filter, args.threads, args.repeats)
+    width = max(len(r["name"]) for r in records)
+    if not args.json:
+        print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} runs")
+        print(f"{'name':<{width}}  {'qkv ms':>10}  {'torch ms':>10}  {'speedup':>8}")
+    for rec in records:
+        torch_seconds = time_torch(torch, rec, args.threads, args.repeats)
+        qkv_seconds = float(rec["seconds"])
+        speedup = torch_seconds / qkv_seconds
+        if args.json:
+            print(json.dumps({"name": rec["name"], "qkv_seconds": qkv_seconds,
+                              "torch_seconds": torch_seconds, "speedup": speedup,
+                              "threads": args.threads, "torch_version": torch.__version__}),
+                  flush=True)
+        else:
+            print(f"{rec['name']:<{width}}  {qkv_seconds * 1e3:10.3f}  "
+                  f"{torch_seconds * 1e3:10.3f}  {speedup:7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+// The materialized attention baseline of `qkv bench`, and the causal/window
+// key ranges that both it and the benchmark's FLOP count use.
+#pragma once
+
+#include <cstdint>
+
+#include "qkv/attention.hpp"
+
+namespace qkv::tools {
+
+// Keys [begin, end) that query row i attends to under options.causal,
+// window_left/right and align (see qkv/attention.hpp); empty when begin >= end.
+struct KeyRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+KeyRange keys_of_row(std::int64_t i, std::int64_t nq, std::int64_t nk,
+                     const AttentionOptions& options);
+
+// Number of unmasked (query, key) pairs of one head.
+std::int64_t unmasked_pairs(std::int64_t nq, std::int64_t nk, const AttentionOptions& options);
+
+// out = softmax(scale q k^T + mask) v the way a framework without a fused
+// kernel computes it: per (batch, head) on `threads` OpenMP threads, the head
+// is widened to f32, S = scale Q K^T [Nq, Nk] is materialized by sgemm, masked
+// with -inf, softmaxed row by row, and O = P V (sgemm) is rounded into `out`.
+// Scratch: Nq * Nk floats per thread. q [B, Nq, Hq, D], k and v [B, Nk, Hkv,
+// D], out [B, Nq, Hq, D], all of one dtype (f32, bf16 or f16) with unit
+// stride in D. Honours options.scale, causal, window_left/right and align.
+void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                     const AttentionOptions& options, int threads);
+
+}  // namespace qkv::tools
