@@ -58,7 +58,9 @@ struct Scratch {
         qa(Alloc(t.rows_pad * t.a_pad)),
         k(Alloc(t.keys * std::max(t.dk, t.a_pad))),
         v(Alloc(t.keys * t.dv_pad)),
-        s(Alloc(t.keys * t.rows_pad)),
+        // One vector of slack: masks read-modify-write whole vectors that
+        // may run past the last row of S^T.
+        s(Alloc(t.keys * t.rows_pad + 64)),
         o(Alloc(t.rows_pad * t.dv_pad)),
         row(Alloc(std::max(t.dk, t.dv_pad))),
         m(Alloc(t.rows_pad)),
@@ -281,12 +283,27 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
                            {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
     }
     if (range_partial) {
-      // Key j is open to query i iff lo_i <= j < hi_i; both bounds grow with i.
-      for (std::int64_t t = 0; t < g.positions; ++t) {
-        const KeyRange range = RangeFor(o, pos0 + t, g.seq.nk);
+      // Key j is open to query i iff lo_i <= j < hi_i (RangeFor), computed a
+      // vector of queries at a time; positions are exact in float below 2^24.
+      const auto nk = hn::Set(d, static_cast<float>(g.seq.nk));
+      const auto left = hn::Set(d, static_cast<float>(o.window_left));
+      const auto right = hn::Set(d, static_cast<float>(o.window_right + 1));
+      for (std::int64_t t = 0; t < g.positions; t += lanes) {
+        const auto pos = hn::Add(iota, hn::Set(d, static_cast<float>(pos0 + t)));
+        auto lo = o.window_left >= 0 ? hn::Max(hn::Zero(d), hn::Sub(pos, left)) : hn::Zero(d);
+        auto hi = nk;
+        if (o.causal) hi = hn::Min(hi, hn::Add(pos, hn::Set(d, 1.0f)));
+        if (o.window_right >= 0) hi = hn::Min(hi, hn::Add(pos, right));
+        lo = hn::Min(lo, nk);
         for (std::int64_t c = 0; c < cols; ++c) {
-          const std::int64_t j = j0 + c;
-          if (j < range.lo || j >= range.hi) s[c * rows_pad + r0 + t] = kNegInf;
+          const auto j = hn::Set(d, static_cast<float>(j0 + c));
+          const auto keep = hn::And(hn::Ge(j, lo), hn::Lt(j, hi));
+          float* x = s + c * rows_pad + r0 + t;
+          // Lanes past this head's queries belong to the next head (or to
+          // padding): leave them as they are.
+          const auto mine = hn::Lt(iota, hn::Set(d, static_cast<float>(g.positions - t)));
+          hn::StoreU(hn::IfThenElse(hn::AndNot(keep, mine), hn::Set(d, kNegInf), hn::LoadU(d, x)),
+                     d, x);
         }
       }
     }
