@@ -28,19 +28,9 @@ using qkv::Tensor;
 using qkv::test::max_abs;
 using qkv::test::max_abs_diff;
 using qkv::test::random_tensor;
+using qkv::test::unit_roundoff;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-double unit_roundoff(DType d) {
-  switch (d) {
-    case DType::f16:
-      return std::ldexp(1.0, -11);
-    case DType::bf16:
-      return std::ldexp(1.0, -8);
-    default:
-      return std::ldexp(1.0, -24);
-  }
-}
 
 // Largest |a - b| over elements where both are finite; the positions where
 // either is not finite must agree exactly (same infinity, or both NaN).
@@ -231,6 +221,26 @@ TEST_P(FlashSweep, PackedSequences) {
   const std::int64_t lengths[] = {250, 0, 100, 0};
   o.key_lengths = lengths;
   expect_matches_reference(x.q, x.k, x.v, o, "varlen causal key lengths");
+}
+
+// Keys beyond the per-thread budget of a task's packed K/V (16 MiB) take
+// the path that packs each block for each unit.
+TEST_P(FlashSweep, LongKeysPackedPerBlock) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(1, 5, 17000, 2, 1, 128, 128, dtype, 91);
+  AttentionOptions o;
+  expect_matches_reference(x.q, x.k, x.v, o, "long keys");
+  o.window_left = 3000;
+  o.causal = true;
+  expect_matches_reference(x.q, x.k, x.v, o, "long keys, window");
+  const Tensor w_q = qkv::to_dtype(random_tensor(DType::f32, {7, 128}, 92, -0.2, 0.2), dtype);
+  const Tensor w_k = qkv::to_dtype(random_tensor(DType::f32, {7, 128}, 93, -0.2, 0.2), dtype);
+  const Tensor v_a = qkv::to_dtype(random_tensor(DType::f32, {7}, 94), dtype);
+  AttentionOptions additive;
+  additive.score = qkv::Score::additive;
+  additive.additive = {w_q, w_k, v_a, {}};
+  const Inputs small_v = make_inputs(1, 3, 17000, 1, 1, 128, 8, dtype, 95);
+  expect_matches_reference(small_v.q, small_v.k, small_v.v, additive, "long keys, additive");
 }
 
 TEST_P(FlashSweep, AdditiveScore) {

@@ -17,19 +17,7 @@ namespace {
 
 using qkv::DType;
 using qkv::Tensor;
-
-double unit_roundoff(DType d) {
-  switch (d) {
-    case DType::f16:
-      return std::ldexp(1.0, -11);
-    case DType::bf16:
-      return std::ldexp(1.0, -8);
-    case DType::f32:
-      return std::ldexp(1.0, -24);
-    default:
-      return 0.0;
-  }
-}
+using qkv::test::unit_roundoff;
 
 // Half an ulp of x in a format with unit roundoff u (normal range).
 double half_ulp(double x, double u) {

@@ -25,6 +25,19 @@ inline Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> siz
   return t;
 }
 
+// Unit roundoff (half an ulp of 1) of a floating format; f32's for f64 too,
+// since the tests compare against f32 computations.
+inline double unit_roundoff(DType d) {
+  switch (d) {
+    case DType::f16:
+      return std::ldexp(1.0, -11);
+    case DType::bf16:
+      return std::ldexp(1.0, -8);
+    default:
+      return std::ldexp(1.0, -24);
+  }
+}
+
 // Largest |a - b| over all elements (same sizes); NaN if either holds a NaN.
 inline double max_abs_diff(ConstTensorView a, ConstTensorView b) {
   double worst = 0.0;

@@ -48,7 +48,7 @@ struct TileShape {
 //   q    Q^T panels [rows_pad / NR][Dk][NR] (scaled), or Q rows [rows][Dq]
 //   qa   additive: Q W_q^T [rows_pad][a_pad]
 //   k    K block [keys][Dk], or additive: K W_k^T + b [keys][a_pad]
-//   v    V block [keys][dv_pad]
+//   v    V block [keys][dv_pad], or additive: K rows [keys][Dk]
 //   s    S^T, then P^T [keys][rows_pad]
 //   o    O [rows_pad][dv_pad]
 //   m, l, alpha, block_sum   per row [rows_pad]
@@ -57,7 +57,7 @@ struct Scratch {
       : q(Alloc(t.rows_pad * t.dk)),
         qa(Alloc(t.rows_pad * t.a_pad)),
         k(Alloc(t.keys * std::max(t.dk, t.a_pad))),
-        v(Alloc(t.keys * t.dv_pad)),
+        v(Alloc(t.keys * std::max(t.dv_pad, t.dk))),  // also additive K rows
         // One vector of slack: masks read-modify-write whole vectors that
         // may run past the last row of S^T.
         s(Alloc(t.keys * t.rows_pad + 64)),
@@ -427,6 +427,28 @@ inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry
   return b;
 }
 
+// Calls f(j0, cols) for each key block that the unit's masks leave open,
+// with the block's scores, biased and masked, in sc.s as S^T.
+template <class F>
+inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                             const TileShape& shape, const KvCache& cache, Scratch& sc, F&& f) {
+  const std::int64_t bk = plan.config.keys;
+  const BlockSpan span = SpanOf(plan, u, g);
+  for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
+    // Keys of the block that some row of the unit may attend to. Trimming
+    // changes no row's grouping of its admitted keys, so results stay the same.
+    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
+    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
+    const BlockClass mask_class = MaskClass(plan, u, jb);
+    if (mask_class == BlockClass::empty) continue;
+    const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
+    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
+    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial,
+                  sc.s.get(), shape.rows_pad);
+    f(j0, cols);
+  }
+}
+
 inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
                         const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
@@ -434,7 +456,6 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   const std::int64_t rows_pad = shape.rows_pad;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  const std::int64_t bk = plan.config.keys;
   const std::int64_t dv = plan.problem->dv;
 
   PrepareQueries(plan, u, g, shape, sc);
@@ -446,21 +467,8 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   std::fill_n(l, rows_pad, 0.0f);
   std::fill_n(o, rows_pad * shape.dv_pad, 0.0f);
 
-  const BlockSpan span = SpanOf(plan, u, g);
-  for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
-    // Keys of the block that some row of the unit may attend to. Trimming
-    // changes no row's grouping of its admitted keys, so results stay the same.
-    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
-    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
-    const BlockClass mask_class = MaskClass(plan, u, jb);
-    if (mask_class == BlockClass::empty) continue;
-    const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-
-    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
+  ForEachOpenBlock(plan, u, g, shape, cache, sc, [&](std::int64_t j0, std::int64_t cols) {
     float* s = sc.s.get();
-    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial, s,
-                  rows_pad);
-
     // Online softmax, vectorized across queries (columns of S^T). Masked
     // scores are -inf and give exactly 0; a NaN score gives NaN through the
     // exp, the sum and the output, whatever the maximum.
@@ -494,7 +502,7 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
     }
     AccumulateValues(s, rows_pad, rows, cols, ValueRows(plan, u, g, shape, cache, j0, cols, sc),
                      shape.dv_pad, shape.dv_pad, o, shape.dv_pad);
-  }
+  });
 
   // O / l into out (rounded once), m + log l into lse.
   const TensorView out = plan.out;
@@ -533,7 +541,6 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
   const UnitGeometry g = GeometryOf(plan, u);
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  const std::int64_t bk = plan.config.keys;
   const std::int64_t rows_pad = shape.rows_pad;
   const TensorView probs = plan.probs;
   const TensorView lse = plan.lse;
@@ -556,19 +563,8 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
                       (g.seq.q_begin + u.i0 + t) * lse.stride(2)];
     }
   }
-  const BlockSpan span = SpanOf(plan, u, g);
-  for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
-    // Keys of the block that some row of the unit may attend to. Trimming
-    // changes no row's grouping of its admitted keys, so results stay the same.
-    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
-    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
-    const BlockClass mask_class = MaskClass(plan, u, jb);
-    if (mask_class == BlockClass::empty) continue;
-    const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
+  ForEachOpenBlock(plan, u, g, shape, cache, sc, [&](std::int64_t j0, std::int64_t cols) {
     float* s = sc.s.get();
-    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial, s,
-                  rows_pad);
     for (std::int64_t r = 0; r < rows_pad; r += lanes) {
       // Fully masked rows (lse = -inf) keep probability 0.
       const auto v_lse = hn::Load(d, row_lse + r);
@@ -585,7 +581,7 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
         for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = col[c * rows_pad];
       }
     }
-  }
+  });
 }
 
 // Packs the keys and values a task needs once, when they fit the per-thread
