@@ -221,6 +221,19 @@ TEST_P(FlashSweep, PackedSequences) {
   const std::int64_t lengths[] = {250, 0, 100, 0};
   o.key_lengths = lengths;
   expect_matches_reference(x.q, x.k, x.v, o, "varlen causal key lengths");
+  // Explicit masks are indexed by packed rows and columns; mask_mod by
+  // positions inside each sequence.
+  Tensor mask(DType::boolean, {1, 1, 151, 420});
+  for (std::int64_t i = 0; i < 151; ++i)
+    for (std::int64_t j = 0; j < 420; ++j) mask.set({0, 0, i, j}, (i * 7 + j) % 5 != 0 && j < 380);
+  AttentionOptions masked;
+  masked.cu_seqlens_q = cu_q;
+  masked.cu_seqlens_k = cu_k;
+  masked.mask = mask;
+  masked.mask_mod = [](std::int64_t b, std::int64_t, std::int64_t i, std::int64_t j) {
+    return b != 2 || j <= i + 40;
+  };
+  expect_matches_reference(x.q, x.k, x.v, masked, "varlen bool mask and mask_mod");
 }
 
 // Keys beyond the per-thread budget of a task's packed K/V (16 MiB) take
