@@ -11,11 +11,13 @@
 //   qkv::AttentionResult r = qkv::attention(q, k, v, opt);
 //   // r.out: [2, 4, 2, 8]; r.lse: [2, 2, 4]
 //
-// See qkv/attention.hpp for the full semantics, shapes and options.
+// See qkv/attention.hpp for the full semantics, shapes and options, and
+// qkv/flex.hpp for score_mod / mask_mod callables inlined into the kernels.
 #pragma once
 
 #include "qkv/attention.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
+#include "qkv/flex.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/tensor.hpp"
