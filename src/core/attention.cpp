@@ -9,46 +9,6 @@
 namespace qkv {
 namespace {
 
-// Tile hooks that call the std::function options element by element (the
-// flex_attention templates provide inlined ones instead).
-struct FunctionMods {
-  static void score(const void* context, const detail::ScoreBlock& t) {
-    const ScoreMod& f = static_cast<const AttentionOptions*>(context)->score_mod;
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      for (std::int64_t c = 0; c < t.cols; ++c) {
-        float& s = t.at(r, c);
-        s = static_cast<float>(f(s, t.b, t.h, t.i0 + r, t.j0 + c));
-      }
-    }
-  }
-  static void mask(const void* context, const detail::ScoreBlock& t) {
-    const MaskMod& f = static_cast<const AttentionOptions*>(context)->mask_mod;
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      for (std::int64_t c = 0; c < t.cols; ++c) {
-        if (!f(t.b, t.h, t.i0 + r, t.j0 + c)) t.at(r, c) = -std::numeric_limits<float>::infinity();
-      }
-    }
-  }
-  static std::int64_t admitted(const void* context, const detail::ScoreBlock& t) {
-    const MaskMod& f = static_cast<const AttentionOptions*>(context)->mask_mod;
-    std::int64_t n = 0;
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      for (std::int64_t c = 0; c < t.cols; ++c) n += f(t.b, t.h, t.i0 + r, t.j0 + c) ? 1 : 0;
-    }
-    return n;
-  }
-  static detail::TileMods of(const AttentionOptions& o) {
-    detail::TileMods m;
-    m.context = &o;
-    if (o.score_mod) m.score_mod = &score;
-    if (o.mask_mod) {
-      m.mask_mod = &mask;
-      m.admitted = &admitted;
-    }
-    return m;
-  }
-};
-
 bool use_fast(const detail::AttentionProblem& p, const AttentionOptions& o) {
   switch (o.backend) {
     case Backend::reference:
@@ -70,7 +30,15 @@ void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensor
     reference::attention(problem, q, k, v, outputs, options);
     return;
   }
-  const detail::TileMods function_mods = FunctionMods::of(options);
+  // Without inlined callables, tile hooks that call the std::function
+  // options (element by element, through std::function).
+  const detail::FlexCallables<ScoreMod, MaskMod> functions{options.score_mod, options.mask_mod};
+  detail::TileMods function_mods = functions.tile_mods();
+  if (!options.score_mod) function_mods.score_mod = nullptr;
+  if (!options.mask_mod) {
+    function_mods.mask_mod = nullptr;
+    function_mods.admitted = nullptr;
+  }
   // The probabilities pass needs the lse even when the caller did not ask.
   Tensor lse_scratch;
   TensorView lse = outputs.lse;

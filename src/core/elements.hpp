@@ -97,3 +97,25 @@ namespace qkv::detail {
 bool extent_fits(ConstTensorView view);
 
 }  // namespace qkv::detail
+
+namespace qkv::detail {
+
+// Element offset of mask[b, h, i, 0] for a mask of rank <= 4 broadcast
+// (right-aligned, size-1 dimensions repeat) to [B, Hq, Nq, Nk].
+inline std::int64_t mask_row_offset(ConstTensorView mask, std::int64_t b, std::int64_t h,
+                                    std::int64_t i) {
+  const std::int64_t index[3] = {b, h, i};
+  std::int64_t off = 0;
+  for (int dim = 0; dim < mask.rank() - 1; ++dim) {
+    const std::int64_t x = index[3 - (mask.rank() - 1) + dim];
+    off += (mask.size(dim) == 1 ? 0 : x) * mask.stride(dim);
+  }
+  return off;
+}
+
+// Element stride between consecutive keys of a broadcast mask row.
+inline std::int64_t mask_key_stride(ConstTensorView mask) {
+  return mask.rank() == 0 || mask.size(-1) == 1 ? 0 : mask.stride(-1);
+}
+
+}  // namespace qkv::detail

@@ -185,21 +185,6 @@ inline void AdditiveScoresTransposed(const float* HWY_RESTRICT qa, std::int64_t 
   }
 }
 
-// Offset of mask element [b, h, i, 0] broadcast from the mask's rank.
-inline std::int64_t MaskRowOffset(ConstTensorView mask, std::int64_t b, std::int64_t h,
-                                  std::int64_t i) {
-  const std::int64_t index[3] = {b, h, i};
-  std::int64_t off = 0;
-  for (int dim = 0; dim < mask.rank() - 1; ++dim) {
-    const std::int64_t x = index[3 - (mask.rank() - 1) + dim];
-    off += (mask.size(dim) == 1 ? 0 : x) * mask.stride(dim);
-  }
-  return off;
-}
-inline std::int64_t MaskKeyStride(ConstTensorView mask) {
-  return mask.rank() == 0 || mask.size(-1) == 1 ? 0 : mask.stride(-1);
-}
-
 inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   UnitGeometry g;
   g.seq = plan.problem->sequence(u.s, *plan.options);
@@ -269,9 +254,10 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
     }
     if (float_mask) {
       const ConstTensorView m = o.mask;
-      const std::int64_t js = MaskKeyStride(m);
+      const std::int64_t js = detail::mask_key_stride(m);
       for (std::int64_t t = 0; t < g.positions; ++t) {
-        const std::int64_t base = MaskRowOffset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
+        const std::int64_t base =
+            detail::mask_row_offset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
         for (std::int64_t c = 0; c < cols; ++c) {
           s[c * rows_pad + r0 + t] += static_cast<float>(
               detail::load(m.data(), m.dtype(), base + (g.seq.k_begin + j0 + c) * js));
@@ -309,10 +295,11 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
     }
     if (bool_mask && mask_partial) {
       const ConstTensorView m = o.mask;
-      const std::int64_t js = MaskKeyStride(m);
+      const std::int64_t js = detail::mask_key_stride(m);
       const auto* bits = static_cast<const std::uint8_t*>(m.data());
       for (std::int64_t t = 0; t < g.positions; ++t) {
-        const std::int64_t base = MaskRowOffset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
+        const std::int64_t base =
+            detail::mask_row_offset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
         for (std::int64_t c = 0; c < cols; ++c) {
           if (bits[base + (g.seq.k_begin + j0 + c) * js] == 0) s[c * rows_pad + r0 + t] = kNegInf;
         }

@@ -93,16 +93,9 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
     if (o.mask.defined() && o.mask.dtype() == DType::boolean) {
       const ConstTensorView m = o.mask;
       std::int64_t n = 0;
-      const std::int64_t index_base[2] = {seq.batch, h};
+      const std::int64_t js = detail::mask_key_stride(m);
       for (std::int64_t t = 0; t < u.positions; ++t) {
-        const std::int64_t full_index[4] = {index_base[0], index_base[1], seq.q_begin + u.i0 + t,
-                                            0};
-        std::int64_t base = 0;
-        for (int d = 0; d < m.rank() - 1; ++d) {
-          const std::int64_t x = full_index[4 - m.rank() + d];
-          base += (m.size(d) == 1 ? 0 : x) * m.stride(d);
-        }
-        const std::int64_t js = m.rank() == 0 || m.size(-1) == 1 ? 0 : m.stride(-1);
+        const std::int64_t base = detail::mask_row_offset(m, seq.batch, h, seq.q_begin + u.i0 + t);
         const auto* bits = static_cast<const std::uint8_t*>(m.data());
         for (std::int64_t c = 0; c < cols; ++c) n += bits[base + (seq.k_begin + j0 + c) * js] != 0;
       }
