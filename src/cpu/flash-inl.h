@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/elements.hpp"
 #include "cpu/flash.hpp"
@@ -48,10 +49,12 @@ struct TileShape {
 //   q    Q^T panels [rows_pad / NR][Dk][NR] (scaled), or Q rows [rows][Dq]
 //   qa   additive: Q W_q^T [rows_pad][a_pad]
 //   k    K block [keys][Dk], or additive: K W_k^T + b [keys][a_pad]
-//   v    V block [keys][dv_pad], or additive: K rows [keys][Dk]
+//   v    V block as panels [dv_pad / NR][keys][NR], or additive: K rows [keys][Dk]
 //   s    S^T, then P^T [keys][rows_pad]
 //   o    O [rows_pad][dv_pad]
 //   m, l, alpha, block_sum   per row [rows_pad]
+//   row_keys, panel_keys     keys of the current block each row / Q^T panel
+//                            can see, when the range mask cuts into it
 struct Scratch {
   explicit Scratch(const TileShape& t)
       : q(Alloc(t.rows_pad * t.dk)),
@@ -65,7 +68,9 @@ struct Scratch {
         row(Alloc(std::max(t.dk, t.dv_pad))),
         m(Alloc(t.rows_pad)),
         l(Alloc(t.rows_pad)),
-        alpha(Alloc(t.rows_pad)) {}
+        alpha(Alloc(t.rows_pad)),
+        row_keys(static_cast<std::size_t>(t.rows_pad)),
+        panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {}
 
   static hwy::AlignedFreeUniquePtr<float[]> Alloc(std::int64_t n) {
     const auto size = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
@@ -75,17 +80,27 @@ struct Scratch {
   }
 
   hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l, alpha;
+  std::vector<KeySpan> row_keys, panel_keys;
   // A task's keys and values packed once for all its units (see KvCache).
   hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
   std::int64_t cache_capacity = 0;  // floats in each of k_cache and v_cache
 };
 
-// Keys [begin, begin + n) of a task's KV head, packed as f32 rows: K [n][Dk]
-// and V [n][dv_pad]. Null pointers: not cached, pack each block on the fly.
+// Keys [begin, begin + n) of a task's KV head, packed as f32: K rows
+// [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR).
+// Null pointers: not cached, pack each block on the fly.
 struct KvCache {
   const float* k = nullptr;
   const float* v = nullptr;
   std::int64_t begin = 0;
+  std::int64_t v_panel_stride = 0;
+};
+
+// V rows of a key block for AccumulateValues: column panels of NR floats,
+// `panel_stride` floats apart, starting at the block's first key.
+struct ValuePanels {
+  const float* v;
+  std::int64_t panel_stride;
 };
 
 // The key range [lo, hi) that causal, window and key lengths leave to the
@@ -129,9 +144,14 @@ inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t
 }
 
 // Rows [j0, j0 + n) of KV head h as f32 into dst [n][ld]; columns [width, ld)
-// are set to zero.
+// are set to zero. With panel_stride > 0 the rows go instead into column
+// panels of NR = ValueWidth() floats, [ld / NR][panel_stride][NR] (ld a
+// multiple of NR), staged through `row` (ld floats): the value kernel then
+// reads each panel as one contiguous stream that stays in L1, where rows of
+// ld floats would map a panel's column onto a few cache sets.
 inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::int64_t j0,
-                     std::int64_t n, std::int64_t h, std::int64_t ld, float* HWY_RESTRICT dst) {
+                     std::int64_t n, std::int64_t h, std::int64_t ld, float* HWY_RESTRICT dst,
+                     std::int64_t panel_stride = 0, float* HWY_RESTRICT row = nullptr) {
   const std::int64_t width = t.size(3);
   const std::uint8_t* src = At(t, seq.batch, seq.k_begin + j0, h);
   const std::int64_t row_bytes = t.stride(1) * ElementBytes(t.dtype());
@@ -145,8 +165,14 @@ inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::
       const std::uint8_t* ahead = src + (r + kAhead) * row_bytes;
       for (std::int64_t b = 0; b < line_span; b += 64) hwy::Prefetch(ahead + b);
     }
-    LoadStridedRowF32(src + r * row_bytes, t.dtype(), width, t.stride(3), dst + r * ld);
-    std::fill(dst + r * ld + width, dst + (r + 1) * ld, 0.0f);
+    float* out = panel_stride > 0 ? row : dst + r * ld;
+    LoadStridedRowF32(src + r * row_bytes, t.dtype(), width, t.stride(3), out);
+    std::fill(out + width, out + ld, 0.0f);
+    if (panel_stride == 0) continue;
+    const std::int64_t nr = ValueWidth();
+    for (std::int64_t c = 0; c < ld; c += nr) {
+      std::copy_n(row + c, nr, dst + (c / nr) * panel_stride + r * nr);
+    }
   }
 }
 
@@ -323,19 +349,23 @@ inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeom
   return dst;
 }
 
-// V rows [j0, j0 + cols) as f32 [cols][dv_pad], from the cache or packed.
-inline const float* ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                              const TileShape& shape, const KvCache& cache, std::int64_t j0,
-                              std::int64_t cols, Scratch& sc) {
-  if (cache.v != nullptr) return cache.v + (j0 - cache.begin) * shape.dv_pad;
-  PackRows(plan.v, g.seq, j0, cols, u.hkv, shape.dv_pad, sc.v.get());
-  return sc.v.get();
+// V rows [j0, j0 + cols) as f32 column panels, from the cache or packed.
+inline ValuePanels ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                             const TileShape& shape, const KvCache& cache, std::int64_t j0,
+                             std::int64_t cols, Scratch& sc) {
+  if (cache.v != nullptr) {
+    return {cache.v + (j0 - cache.begin) * ValueWidth(), cache.v_panel_stride};
+  }
+  const std::int64_t stride = shape.keys * ValueWidth();
+  PackRows(plan.v, g.seq, j0, cols, u.hkv, shape.dv_pad, sc.v.get(), stride, sc.row.get());
+  return {sc.v.get(), stride};
 }
 
-// The raw S^T of key block [j0, j0 + cols) into sc.s.
+// The raw S^T of key block [j0, j0 + cols) into sc.s; with `panel_keys`,
+// only the keys each Q^T panel can see.
 inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                         const TileShape& shape, const KvCache& cache, std::int64_t j0,
-                        std::int64_t cols, Scratch& sc) {
+                        std::int64_t cols, const KeySpan* panel_keys, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
   const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
   if (plan.options->score == Score::additive) {
@@ -346,7 +376,8 @@ inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry
                              shape.a_pad, sc.s.get(), shape.rows_pad);
     return;
   }
-  ScoresTransposed(k_rows, p.dk, cols, p.dk, sc.q.get(), shape.rows_pad, sc.s.get());
+  ScoresTransposed(k_rows, p.dk, cols, p.dk, sc.q.get(), g.rows(), shape.rows_pad, panel_keys,
+                   sc.s.get());
 }
 
 inline TileShape ShapeOf(const FlashPlan& plan) {
@@ -414,8 +445,39 @@ inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry
   return b;
 }
 
-// Calls f(j0, cols) for each key block that the unit's masks leave open,
-// with the block's scores, biased and masked, in sc.s as S^T.
+// The keys of block [j0, j0 + cols) that each row and each Q^T panel of the
+// unit can see under causal, window and key lengths, relative to j0, into
+// sc.row_keys and sc.panel_keys; rows that see none (and padding rows) get
+// the empty span {cols, 0}, which min/max unions ignore. Near the diagonal
+// this lets the micro-kernels skip the keys no row of a panel or strip sees.
+inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                          std::int64_t j0, std::int64_t cols, Scratch& sc) {
+  const std::int64_t nr = PanelWidth();
+  const std::int64_t rows = g.rows();
+  const std::int64_t panels = RoundUp(rows, nr) / nr;
+  for (std::int64_t pi = 0; pi < panels; ++pi) {
+    KeySpan panel{cols, 0};
+    for (std::int64_t r = pi * nr; r < (pi + 1) * nr; ++r) {
+      KeySpan span{cols, 0};
+      if (r < rows) {
+        const KeyRange kr = RangeFor(*plan.options, u.i0 + r % g.positions + g.offset, g.seq.nk);
+        const std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
+        const std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
+        if (begin < end) span = {begin, end};
+      }
+      sc.row_keys[static_cast<std::size_t>(r)] = span;
+      panel.begin = std::min(panel.begin, span.begin);
+      panel.end = std::max(panel.end, span.end);
+    }
+    sc.panel_keys[static_cast<std::size_t>(pi)] = panel;
+  }
+}
+
+// Calls f(j0, cols, row_keys) for each key block that the unit's masks leave
+// open, with the block's scores, biased and masked, in sc.s as S^T. When the
+// range mask cuts into the block, row_keys holds each row's visible keys
+// (BlockKeySpans) and scores outside a panel's span are not computed (they
+// are masked); otherwise it is null.
 template <class F>
 inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                              const TileShape& shape, const KvCache& cache, Scratch& sc, F&& f) {
@@ -429,10 +491,12 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
     const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-    BlockScores(plan, u, g, shape, cache, j0, cols, sc);
+    if (range_partial) BlockKeySpans(plan, u, g, j0, cols, sc);
+    BlockScores(plan, u, g, shape, cache, j0, cols, range_partial ? sc.panel_keys.data() : nullptr,
+                sc);
     ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial,
                   sc.s.get(), shape.rows_pad);
-    f(j0, cols);
+    f(j0, cols, range_partial ? sc.row_keys.data() : nullptr);
   }
 }
 
@@ -454,42 +518,47 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   std::fill_n(l, rows_pad, 0.0f);
   std::fill_n(o, rows_pad * shape.dv_pad, 0.0f);
 
-  ForEachOpenBlock(plan, u, g, shape, cache, sc, [&](std::int64_t j0, std::int64_t cols) {
-    float* s = sc.s.get();
-    // Online softmax, vectorized across queries (columns of S^T). Masked
-    // scores are -inf and give exactly 0; a NaN score gives NaN through the
-    // exp, the sum and the output, whatever the maximum.
-    for (std::int64_t r = 0; r < rows_pad; r += lanes) {
-      auto block_max = hn::Set(d, kNegInf);
-      for (std::int64_t c = 0; c < cols; ++c)
-        block_max = hn::Max(block_max, hn::Load(d, s + c * rows_pad + r));
-      const auto m_old = hn::Load(d, m + r);
-      const auto m_new = hn::Max(m_old, block_max);
-      // Subtract 0 where nothing is admitted yet, so exp(-inf - 0) = 0.
-      const auto shift = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);
-      auto sum = hn::Zero(d);
-      for (std::int64_t c = 0; c < cols; ++c) {
-        float* x = s + c * rows_pad + r;
-        const auto pexp = FastExp(d, hn::Sub(hn::Load(d, x), shift));
-        hn::Store(pexp, d, x);
-        sum = hn::Add(sum, pexp);
-      }
-      const auto a = FastExp(d, hn::Sub(m_old, shift));
-      hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
-      hn::Store(m_new, d, m + r);
-      hn::Store(a, d, alpha + r);
-    }
-    for (std::int64_t r = 0; r < rows; ++r) {
-      if (alpha[r] == 1.0f) continue;  // the running max did not move
-      float* orow = o + r * shape.dv_pad;
-      const auto a = hn::Set(d, alpha[r]);
-      for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
-        hn::Store(hn::Mul(hn::Load(d, orow + c), a), d, orow + c);
-      }
-    }
-    AccumulateValues(s, rows_pad, rows, cols, ValueRows(plan, u, g, shape, cache, j0, cols, sc),
-                     shape.dv_pad, shape.dv_pad, o, shape.dv_pad);
-  });
+  // The Q^T panels that hold the unit's rows; padding panels are not computed.
+  const std::int64_t rows_used = RoundUp(rows, PanelWidth());
+  ForEachOpenBlock(plan, u, g, shape, cache, sc,
+                   [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
+                     float* s = sc.s.get();
+                     // Online softmax, vectorized across queries (columns of S^T). Masked
+                     // scores are -inf and give exactly 0; a NaN score gives NaN through the
+                     // exp, the sum and the output, whatever the maximum.
+                     for (std::int64_t r = 0; r < rows_used; r += lanes) {
+                       auto block_max = hn::Set(d, kNegInf);
+                       for (std::int64_t c = 0; c < cols; ++c)
+                         block_max = hn::Max(block_max, hn::Load(d, s + c * rows_pad + r));
+                       const auto m_old = hn::Load(d, m + r);
+                       const auto m_new = hn::Max(m_old, block_max);
+                       // Subtract 0 where nothing is admitted yet, so exp(-inf - 0) = 0.
+                       const auto shift =
+                           hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);
+                       auto sum = hn::Zero(d);
+                       for (std::int64_t c = 0; c < cols; ++c) {
+                         float* x = s + c * rows_pad + r;
+                         const auto pexp = FastExp(d, hn::Sub(hn::Load(d, x), shift));
+                         hn::Store(pexp, d, x);
+                         sum = hn::Add(sum, pexp);
+                       }
+                       const auto a = FastExp(d, hn::Sub(m_old, shift));
+                       hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
+                       hn::Store(m_new, d, m + r);
+                       hn::Store(a, d, alpha + r);
+                     }
+                     for (std::int64_t r = 0; r < rows; ++r) {
+                       if (alpha[r] == 1.0f) continue;  // the running max did not move
+                       float* orow = o + r * shape.dv_pad;
+                       const auto a = hn::Set(d, alpha[r]);
+                       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
+                         hn::Store(hn::Mul(hn::Load(d, orow + c), a), d, orow + c);
+                       }
+                     }
+                     const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
+                     AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.panel_stride,
+                                      shape.dv_pad, o, shape.dv_pad);
+                   });
 
   // O / l into out (rounded once), m + log l into lse.
   const TensorView out = plan.out;
@@ -550,25 +619,28 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
                       (g.seq.q_begin + u.i0 + t) * lse.stride(2)];
     }
   }
-  ForEachOpenBlock(plan, u, g, shape, cache, sc, [&](std::int64_t j0, std::int64_t cols) {
-    float* s = sc.s.get();
-    for (std::int64_t r = 0; r < rows_pad; r += lanes) {
-      // Fully masked rows (lse = -inf) keep probability 0.
-      const auto v_lse = hn::Load(d, row_lse + r);
-      const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
-      for (std::int64_t c = 0; c < cols; ++c) {
-        float* x = s + c * rows_pad + r;
-        hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
-      }
-    }
-    for (std::int64_t gi = 0; gi < g.group; ++gi) {
-      for (std::int64_t t = 0; t < g.positions; ++t) {
-        float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
-        const float* col = s + gi * g.positions + t;
-        for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = col[c * rows_pad];
-      }
-    }
-  });
+  const std::int64_t rows_used = RoundUp(g.rows(), PanelWidth());
+  ForEachOpenBlock(
+      plan, u, g, shape, cache, sc,
+      [&](std::int64_t j0, std::int64_t cols, const KeySpan* /*row_keys*/) {
+        float* s = sc.s.get();
+        for (std::int64_t r = 0; r < rows_used; r += lanes) {
+          // Fully masked rows (lse = -inf) keep probability 0.
+          const auto v_lse = hn::Load(d, row_lse + r);
+          const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
+          for (std::int64_t c = 0; c < cols; ++c) {
+            float* x = s + c * rows_pad + r;
+            hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
+          }
+        }
+        for (std::int64_t gi = 0; gi < g.group; ++gi) {
+          for (std::int64_t t = 0; t < g.positions; ++t) {
+            float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
+            const float* col = s + gi * g.positions + t;
+            for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = col[c * rows_pad];
+          }
+        }
+      });
 }
 
 // Packs the keys and values a task needs once, when they fit the per-thread
@@ -593,8 +665,10 @@ inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShap
     sc.cache_capacity = floats;
   }
   PackRows(plan.k, g.seq, begin, n, last_unit.hkv, plan.problem->dk, sc.k_cache.get());
-  PackRows(plan.v, g.seq, begin, n, last_unit.hkv, shape.dv_pad, sc.v_cache.get());
-  return {sc.k_cache.get(), sc.v_cache.get(), begin};
+  const std::int64_t v_stride = n * ValueWidth();
+  PackRows(plan.v, g.seq, begin, n, last_unit.hkv, shape.dv_pad, sc.v_cache.get(), v_stride,
+           sc.row.get());
+  return {sc.k_cache.get(), sc.v_cache.get(), begin, v_stride};
 }
 
 // Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch.

@@ -8,9 +8,10 @@
 // registers.
 //
 // Layouts (NR = 2 vectors of floats): Q^T as panels [rows_pad / NR][Dk][NR];
-// K and V row-major, contiguous, with leading dimensions ldk and ldv; S^T
-// row-major [keys][rows_pad]; O row-major [rows][ldo]. rows_pad and the
-// value width are multiples of NR; padding holds zeros.
+// K row-major with leading dimension ldk; V as column panels [dv_pad / NR]
+// [keys][NR], v_panel_stride floats apart; S^T row-major [keys][rows_pad];
+// O row-major [rows][ldo]. rows_pad and dv_pad are multiples of NR; padding
+// holds zeros.
 #if defined(QKV_CPU_TILE_GEMM_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_TILE_GEMM_INL_H_
 #undef QKV_CPU_TILE_GEMM_INL_H_
@@ -18,6 +19,7 @@
 #define QKV_CPU_TILE_GEMM_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -90,16 +92,27 @@ HWY_INLINE void WithStrip(std::int64_t rows, F&& f) {
   }
 }
 
-// S^T[keys][rows_pad] = K[keys][Dk] Q^T for Q^T packed as panels. Panels
-// outer: one Q^T panel (Dk x NR floats) stays in L1 while the key strips
-// stream past it.
+// Keys [begin, end) of a block that a query panel or row must compute;
+// empty when begin >= end.
+struct KeySpan {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+
+// S^T[keys][rows_pad] = K[keys][Dk] Q^T for Q^T packed as panels, for the
+// panels that hold the first `rows` queries. With `panel_keys` (one span per
+// panel), panel p computes only keys [begin, end); its other scores are left
+// as they are (the caller masks them). Panels outer: one Q^T panel (Dk x NR
+// floats) stays in L1 while the key strips stream past it.
 inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t keys,
-                             std::int64_t dk, const float* HWY_RESTRICT q_panels,
-                             std::int64_t rows_pad, float* HWY_RESTRICT s) {
+                             std::int64_t dk, const float* HWY_RESTRICT q_panels, std::int64_t rows,
+                             std::int64_t rows_pad, const KeySpan* panel_keys,
+                             float* HWY_RESTRICT s) {
   const std::int64_t nr = PanelWidth();
-  for (std::int64_t p = 0; p < rows_pad; p += nr) {
-    for (std::int64_t j0 = 0; j0 < keys; j0 += kScoreStrip) {
-      WithStrip<kScoreStrip>(keys - j0, [&](auto strip) {
+  for (std::int64_t p = 0; p < rows; p += nr) {
+    const KeySpan span = panel_keys != nullptr ? panel_keys[p / nr] : KeySpan{0, keys};
+    for (std::int64_t j0 = span.begin; j0 < span.end; j0 += kScoreStrip) {
+      WithStrip<kScoreStrip>(span.end - j0, [&](auto strip) {
         Micro<strip(), kScoreVecs, false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
                                           s + j0 * rows_pad + p, rows_pad);
       });
@@ -107,19 +120,31 @@ inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std:
   }
 }
 
-// O[rows][dv_pad] += P V with P given transposed, P^T[keys][rows_pad]. Value
-// column panels outer: the panel's keys x NR floats stay in L1 while the
-// query strips stream past.
+// O[rows][dv_pad] += P V with P given transposed, P^T[keys][rows_pad]. With
+// `row_keys` (one span per row; keys outside it have P = 0), each strip of
+// rows runs over the union of its rows' spans only. Value column panels
+// outer: the panel's keys x NR floats stay in L1 while the query strips
+// stream past.
 inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pad,
-                             std::int64_t rows, std::int64_t keys, const float* HWY_RESTRICT v,
-                             std::int64_t ldv, std::int64_t dv_pad, float* HWY_RESTRICT o,
-                             std::int64_t ldo) {
+                             std::int64_t rows, std::int64_t keys, const KeySpan* row_keys,
+                             const float* HWY_RESTRICT v, std::int64_t v_panel_stride,
+                             std::int64_t dv_pad, float* HWY_RESTRICT o, std::int64_t ldo) {
   const std::int64_t nr = ValueWidth();
   for (std::int64_t c = 0; c < dv_pad; c += nr) {
     for (std::int64_t r0 = 0; r0 < rows; r0 += kValueStrip) {
       WithStrip<kValueStrip>(rows - r0, [&](auto strip) {
-        Micro<strip(), kValueVecs, true>(p_t + r0, 1, rows_pad, keys, v + c, ldv, o + r0 * ldo + c,
-                                         ldo);
+        KeySpan span{0, keys};
+        if (row_keys != nullptr) {
+          span = {keys, 0};
+          for (int r = 0; r < strip(); ++r) {
+            span.begin = std::min(span.begin, row_keys[r0 + r].begin);
+            span.end = std::max(span.end, row_keys[r0 + r].end);
+          }
+        }
+        if (span.begin >= span.end) return;
+        const float* panel = v + (c / nr) * v_panel_stride + span.begin * nr;
+        Micro<strip(), kValueVecs, true>(p_t + span.begin * rows_pad + r0, 1, rows_pad,
+                                         span.end - span.begin, panel, nr, o + r0 * ldo + c, ldo);
       });
     }
   }
