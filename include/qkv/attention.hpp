@@ -40,6 +40,14 @@
 // with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
 // Softmax subtracts the row maximum. A row whose keys are all dropped has
 // out = 0, lse = -inf and probs = 0, never NaN. A NaN score yields a NaN row.
+//
+// Dropout (training): with dropout_p = p > 0 each weight P[b, h, i, j] is kept
+// with probability 1 - p and scaled by 1 / (1 - p), else zeroed, before it
+// multiplies V: out_i = sum_j P_ij Z_ij / (1 - p) v_j. Z is a pure function
+// of (dropout_seed, dropout_offset, b, h, i, j) (see dropout_keep in
+// qkv/backward.hpp), so the backward regenerates it without storing it and no
+// result depends on the thread count. lse and probs are those of softmax
+// before dropout.
 #pragma once
 
 #include <cstdint>
@@ -107,6 +115,9 @@ struct AttentionOptions {
   double softcap = 0.0;                  // c > 0 applies c * tanh(s / c); 0 = off
   ScoreMod score_mod;                    // empty = identity
   MaskMod mask_mod;                      // empty = keep all
+  double dropout_p = 0.0;                // probability of zeroing a weight; 0 = off, < 1
+  std::uint64_t dropout_seed = 0;        // key of the dropout generator
+  std::uint32_t dropout_offset = 0;      // counter offset: use a new one per call and layer
   Backend backend = Backend::automatic;  // which implementation runs
   bool return_lse = false;               // allocating overload: also return lse
   bool return_probs = false;  // allocating overload: also return probs (B*Hq*Nq*Nk values)

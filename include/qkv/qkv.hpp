@@ -16,6 +16,7 @@
 #pragma once
 
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
 #include "qkv/flex.hpp"

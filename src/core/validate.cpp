@@ -290,6 +290,9 @@ void check_scalars(const AttentionOptions& o, Reasons& r) {
   if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap)) {
     r.push_back("options.softcap: expected 0 (off) or a finite value > 0, got " + num(o.softcap));
   }
+  if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
+    r.push_back("options.dropout_p: expected a probability in [0, 1), got " + num(o.dropout_p));
+  }
   if (o.backend > Backend::fast) {
     r.push_back(
         "options.backend: expected Backend::automatic, Backend::reference or Backend::fast, got "
@@ -336,6 +339,19 @@ void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reaso
   }
 }
 
+// The dropout generator's counter holds i, j / 4 and b * Hq + h in 32 bits each.
+void check_dropout(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
+  if (o.dropout_p == 0.0) return;
+  constexpr std::int64_t kWord = std::int64_t{1} << 32;
+  if (p.nq >= kWord || p.nk / 4 >= kWord || (p.hq > 0 && p.sequences >= kWord / p.hq)) {
+    r.push_back(
+        "options.dropout_p: dropout needs Nq < 2^32, Nk < 2^34 and sequences * Hq < 2^32 "
+        "(the generator's counter words), got Nq = " +
+        to_string(p.nq) + ", Nk = " + to_string(p.nk) + ", " + to_string(p.sequences) +
+        " sequences of " + to_string(p.hq) + " heads");
+  }
+}
+
 // An output view: defined, rank, sizes, dtype, backed, non-self-overlapping,
 // and disjoint from every input.
 void check_output(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
@@ -360,6 +376,21 @@ void check_output(const char* name, ConstTensorView t, std::span<const std::int6
       r.push_back(std::string(name) + ": memory overlaps " + input_names[i] +
                   " (outputs must not alias any input or other output)");
     }
+  }
+}
+
+// An input view of known sizes and dtype.
+void check_input(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
+                 DType dtype, Reasons& r) {
+  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return;
+  bool ok = true;
+  for (std::size_t d = 0; d < sizes.size(); ++d) ok = ok && t.size(static_cast<int>(d)) == sizes[d];
+  if (!ok) {
+    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
+                shape_of(t));
+  }
+  if (t.dtype() != dtype) {
+    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
   }
 }
 
@@ -399,6 +430,7 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   check_sequences(options, p, r);
   check_mask(options, p, r);
   check_positions(options, p, r);
+  check_dropout(options, p, r);
   if (options.backend == Backend::fast && p.dtype == DType::f64) {
     r.push_back(
         "options.backend: Backend::fast computes in f32 and takes f32, f16 or bf16 inputs, got "
@@ -446,6 +478,65 @@ void check_attention_outputs(const AttentionProblem& p, ConstTensorView q, Const
     check_output("probs", outputs.probs, probs_sizes, p.stat_dtype, std::span(inputs, 11), names,
                  r);
   }
+  throw_if(r);
+}
+
+void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, ConstTensorView dout,
+                           ConstTensorView lse, const AttentionOptions& o) {
+  Reasons r;
+  const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
+  const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
+  check_input("out", out, out_sizes, p.dtype, r);
+  check_input("dout", dout, out_sizes, p.dtype, r);
+  check_input("lse", lse, lse_sizes, p.stat_dtype, r);
+  if (o.score_mod) {
+    r.push_back(
+        "options.score_mod: the backward cannot differentiate a score_mod callable (express the "
+        "modification with the built-in biases, softcap or a float mask, or use mask_mod for "
+        "masking)");
+  }
+  throw_if(r);
+}
+
+void check_gradient_outputs(const AttentionProblem& p, std::span<const ConstTensorView> inputs,
+                            std::span<const char* const> input_names, const AttentionOptions& o,
+                            const GradientOutputs& g) {
+  Reasons r;
+  // Each gradient is compared with the inputs and with the gradients before it.
+  std::vector<ConstTensorView> seen(inputs.begin(), inputs.end());
+  std::vector<const char*> seen_names(input_names.begin(), input_names.end());
+  auto output = [&](const char* name, TensorView t, std::vector<std::int64_t> sizes, DType dtype,
+                    bool used, const char* what) {
+    if (!used) {
+      if (t.defined()) {
+        r.push_back(std::string(name) + ": given, but the options have no " + what);
+      }
+      return;
+    }
+    if (!t.defined()) {
+      r.push_back(std::string(name) + ": required because the options use " + what);
+      return;
+    }
+    check_output(name, t, sizes, dtype, seen, seen_names, r);
+    seen.push_back(t);
+    seen_names.push_back(name);
+  };
+  const bool additive = o.score == Score::additive;
+  const RelativePositionBias& rb = o.relative_bias;
+  const std::int64_t buckets = rb.table.defined() ? rb.table.size(1) : 0;
+  output("dq", g.dq, {p.batch, p.nq, p.hq, p.dq}, p.dtype, true, "q");
+  output("dk", g.dk, {p.batch, p.nk, p.hkv, p.dk}, p.dtype, true, "k");
+  output("dv", g.dv, {p.batch, p.nk, p.hkv, p.dv}, p.dtype, true, "v");
+  output("d_relative_bias", g.d_relative_bias, {p.hq, buckets}, p.stat_dtype, rb.table.defined(),
+         "relative_bias.table");
+  output("d_additive_w_q", g.d_additive_w_q, {p.attention_size, p.dq}, p.stat_dtype, additive,
+         "Score::additive");
+  output("d_additive_w_k", g.d_additive_w_k, {p.attention_size, p.dk}, p.stat_dtype, additive,
+         "Score::additive");
+  output("d_additive_v", g.d_additive_v, {p.attention_size}, p.stat_dtype, additive,
+         "Score::additive");
+  output("d_additive_bias", g.d_additive_bias, {p.attention_size}, p.stat_dtype,
+         additive && o.additive.bias.defined(), "additive.bias");
   throw_if(r);
 }
 

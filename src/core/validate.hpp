@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 
 namespace qkv::detail {
 
@@ -51,5 +53,19 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
 void check_attention_outputs(const AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
                              ConstTensorView v, const AttentionOptions& options,
                              const AttentionOutputs& outputs);
+
+// Checks the extra inputs of a backward call (out, dout, lse) and that the
+// options are differentiable; throws qkv::Error listing every problem.
+void check_backward_inputs(const AttentionProblem& problem, ConstTensorView out,
+                           ConstTensorView dout, ConstTensorView lse,
+                           const AttentionOptions& options);
+
+// Checks caller-provided gradient views: shapes, dtypes, presence exactly
+// when the options use the parameter, and no overlap with `inputs` (named by
+// `input_names`) or with each other; throws qkv::Error listing every problem.
+void check_gradient_outputs(const AttentionProblem& problem,
+                            std::span<const ConstTensorView> inputs,
+                            std::span<const char* const> input_names,
+                            const AttentionOptions& options, const GradientOutputs& grads);
 
 }  // namespace qkv::detail

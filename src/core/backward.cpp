@@ -1,0 +1,89 @@
+// Entry points of qkv::attention_backward: validate, allocate, dispatch once.
+#include "qkv/backward.hpp"
+
+#include "core/philox.hpp"
+#include "core/validate.hpp"
+#include "reference/backward.hpp"
+
+namespace qkv {
+namespace {
+
+void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+         const GradientOutputs& grads, const AttentionOptions& o) {
+  reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
+}
+
+detail::AttentionProblem check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                      ConstTensorView out, ConstTensorView dout,
+                                      ConstTensorView lse, const AttentionOptions& o) {
+  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, o);
+  detail::check_backward_inputs(p, out, dout, lse, o);
+  return p;
+}
+
+}  // namespace
+
+AttentionGradients attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                      ConstTensorView out, ConstTensorView dout,
+                                      ConstTensorView lse, const AttentionOptions& o) {
+  const detail::AttentionProblem p = check_inputs(q, k, v, out, dout, lse, o);
+  AttentionGradients g;
+  g.dq = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dq});
+  g.dk = Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.dk});
+  g.dv = Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.dv});
+  if (o.relative_bias.table.defined()) {
+    g.d_relative_bias = Tensor(p.stat_dtype, {p.hq, o.relative_bias.table.size(1)});
+  }
+  if (o.score == Score::additive) {
+    g.d_additive_w_q = Tensor(p.stat_dtype, {p.attention_size, p.dq});
+    g.d_additive_w_k = Tensor(p.stat_dtype, {p.attention_size, p.dk});
+    g.d_additive_v = Tensor(p.stat_dtype, {p.attention_size});
+    if (o.additive.bias.defined()) g.d_additive_bias = Tensor(p.stat_dtype, {p.attention_size});
+  }
+  run(p, q, k, v, out, dout, lse,
+      {g.dq, g.dk, g.dv, g.d_relative_bias.view(), g.d_additive_w_q.view(), g.d_additive_w_k.view(),
+       g.d_additive_v.view(), g.d_additive_bias.view()},
+      o);
+  return g;
+}
+
+void attention_backward_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                             ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+                             const GradientOutputs& grads, const AttentionOptions& o) {
+  const detail::AttentionProblem p = check_inputs(q, k, v, out, dout, lse, o);
+  const ConstTensorView inputs[] = {q,
+                                    k,
+                                    v,
+                                    out,
+                                    dout,
+                                    lse,
+                                    o.mask,
+                                    o.additive.w_q,
+                                    o.additive.w_k,
+                                    o.additive.v,
+                                    o.additive.bias,
+                                    o.relative_bias.table};
+  const char* const names[] = {"q",
+                               "k",
+                               "v",
+                               "out",
+                               "dout",
+                               "lse",
+                               "options.mask",
+                               "options.additive.w_q",
+                               "options.additive.w_k",
+                               "options.additive.v",
+                               "options.additive.bias",
+                               "options.relative_bias.table"};
+  detail::check_gradient_outputs(p, inputs, names, o, grads);
+  run(p, q, k, v, out, dout, lse, grads, o);
+}
+
+bool dropout_keep(std::uint64_t seed, std::uint32_t offset, double p, std::int64_t hq,
+                  std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
+  const detail::PhiloxCounter words = detail::dropout_words(seed, offset, b * hq + h, i, j);
+  return (words[static_cast<std::size_t>(j % 4)] >> 8) >= detail::dropout_threshold(p);
+}
+
+}  // namespace qkv

@@ -1,0 +1,18 @@
+// The reference backward: plain loops in double over the formulas of
+// qkv/backward.hpp, recomputing each row's scores and softmax from the
+// forward's lse. Every fast backward is tested against it, and it is tested
+// against central finite differences of the reference forward.
+#pragma once
+
+#include "core/validate.hpp"
+#include "qkv/backward.hpp"
+
+namespace qkv::reference {
+
+// Writes every defined view of `grads` for a validated problem.
+void attention_backward(const detail::AttentionProblem& problem, ConstTensorView q,
+                        ConstTensorView k, ConstTensorView v, ConstTensorView out,
+                        ConstTensorView dout, ConstTensorView lse, const GradientOutputs& grads,
+                        const AttentionOptions& options);
+
+}  // namespace qkv::reference
