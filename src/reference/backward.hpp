@@ -15,4 +15,13 @@ void attention_backward(const detail::AttentionProblem& problem, ConstTensorView
                         ConstTensorView dout, ConstTensorView lse, const GradientOutputs& grads,
                         const AttentionOptions& options);
 
+// The same loops computed naively in f32 and, for precision f16 or bf16,
+// with every score, weight P, dP and dS rounded to it. Its error against
+// attention_backward() is the yardstick of the fast backward's tolerance.
+void naive_attention_backward(const detail::AttentionProblem& problem, ConstTensorView q,
+                              ConstTensorView k, ConstTensorView v, ConstTensorView out,
+                              ConstTensorView dout, ConstTensorView lse,
+                              const GradientOutputs& grads, const AttentionOptions& options,
+                              DType precision);
+
 }  // namespace qkv::reference
