@@ -187,8 +187,14 @@ TEST_P(FlashSweep, EveryFeatureAloneAndCombined) {
       return (i / 16 + h) % 3 != (j / 32) % 3;
     };
   });
+  add("dropout", [](auto& o) {
+    o.dropout_p = 0.25;
+    o.dropout_seed = 99;
+    o.dropout_offset = 3;
+  });
   add("everything", [&](auto& o) {
     o.causal = true;
+    o.dropout_p = 0.1;
     o.window_left = 100;
     o.key_lengths = lengths;
     o.mask = bool_mask;

@@ -495,6 +495,11 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
         "modification with the built-in biases, softcap or a float mask, or use mask_mod for "
         "masking)");
   }
+  if (o.backend == Backend::fast && o.score == Score::additive) {
+    r.push_back(
+        "options.backend: Backend::fast has no backward for Score::additive (Backend::automatic "
+        "runs the reference backward for it)");
+  }
   throw_if(r);
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/philox.hpp"
 #include "cpu/flash.hpp"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
@@ -140,6 +141,17 @@ inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t
   if (stride == 1) return LoadRowF32(src, dtype, n, dst);
   for (std::int64_t c = 0; c < n; ++c) {
     LoadRowF32(src + c * stride * ElementBytes(dtype), dtype, 1, dst + c);
+  }
+}
+
+// Row (a, b, c) of a rank-4 view, the first n elements of its last dim, from
+// f32 (rounded once to the view's dtype).
+inline void StoreViewRow(const float* HWY_RESTRICT src, std::int64_t n, TensorView t,
+                         std::int64_t a, std::int64_t b, std::int64_t c) {
+  auto* dst = const_cast<std::uint8_t*>(At(t, a, b, c));
+  if (t.stride(3) == 1) return StoreRowFromF32(src, n, dst, t.dtype());
+  for (std::int64_t x = 0; x < n; ++x) {
+    StoreRowFromF32(src + x, 1, dst + x * t.stride(3) * ElementBytes(t.dtype()), t.dtype());
   }
 }
 
@@ -334,6 +346,32 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
     if (plan.mods->mask_mod != nullptr && mask_partial) {
       plan.mods->mask_mod(plan.mods->context,
                           {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
+    }
+  }
+}
+
+// Dropout of the weights P^T of keys [j0, j0 + cols) for the unit's rows:
+// each is kept and scaled by 1 / (1 - p), or zeroed, by the counter-based
+// generator of qkv::dropout_keep (one Philox call per 4 keys of a row).
+inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                         std::int64_t j0, std::int64_t cols, float* HWY_RESTRICT s,
+                         std::int64_t rows_pad) {
+  const AttentionOptions& o = *plan.options;
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.dropout_p));
+  const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t bh = u.s * plan.problem->hq + u.hkv * g.group + gi;
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      float* col = s + gi * g.positions + t;
+      for (std::int64_t c = 0; c < cols;) {
+        const std::int64_t j = j0 + c;
+        const detail::PhiloxCounter words =
+            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t, j);
+        for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
+          float& x = col[c * rows_pad];
+          x = (words[static_cast<std::size_t>(w)] >> 8) >= threshold ? x * keep_scale : 0.0f;
+        }
+      }
     }
   }
 }
@@ -555,6 +593,8 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
                          hn::Store(hn::Mul(hn::Load(d, orow + c), a), d, orow + c);
                        }
                      }
+                     if (plan.options->dropout_p > 0.0)
+                       ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
                      const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
                      AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.panel_stride,
                                       shape.dv_pad, o, shape.dv_pad);
@@ -573,17 +613,7 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
         hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, inv)), d, orow + c);
       }
-      auto* dst = static_cast<std::uint8_t*>(out.data()) +
-                  (g.seq.batch * out.stride(0) + qrow * out.stride(1) + h * out.stride(2)) *
-                      ElementBytes(out.dtype());
-      if (out.stride(3) == 1) {
-        StoreRowFromF32(orow, dv, dst, out.dtype());
-      } else {
-        for (std::int64_t c = 0; c < dv; ++c) {
-          StoreRowFromF32(orow + c, 1, dst + c * out.stride(3) * ElementBytes(out.dtype()),
-                          out.dtype());
-        }
-      }
+      StoreViewRow(orow, dv, out, g.seq.batch, qrow, h);
       static_cast<float*>(
           lse.data())[g.seq.batch * lse.stride(0) + h * lse.stride(1) + qrow * lse.stride(2)] =
           l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);

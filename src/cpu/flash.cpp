@@ -124,6 +124,16 @@ std::int64_t env_size(const char* name, std::int64_t fallback) {
 
 }  // namespace
 
+FlashConfig flash_backward_config() {
+  static const FlashConfig config = [] {
+    FlashConfig c{64, 128};
+    c.rows = env_size("QKV_FLASH_BWD_ROWS", c.rows);
+    c.keys = env_size("QKV_FLASH_BWD_KEYS", c.keys);
+    return c;
+  }();
+  return config;
+}
+
 FlashConfig flash_config() {
   // Read once: the tile sizes are a property of the machine, not of a call.
   static const FlashConfig config = [] {
@@ -137,7 +147,8 @@ FlashConfig flash_config() {
 
 FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
-                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs) {
+                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs,
+                    const FlashConfig& config) {
   FlashPlan plan;
   plan.problem = &problem;
   plan.options = &options;
@@ -148,7 +159,7 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
   plan.out = out;
   plan.lse = lse;
   plan.probs = probs;
-  plan.config = flash_config();
+  plan.config = config;
   const std::int64_t group = std::max<std::int64_t>(problem.group(), 1);
   plan.positions_per_unit = std::max<std::int64_t>(1, plan.config.rows / group);
 

@@ -66,10 +66,57 @@ struct FlashPlan {
 };
 
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
-// once), the relative bias table.
+// once), the relative bias table; tile sizes from `config`.
 FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
-                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs);
+                    ConstTensorView v, TensorView out, TensorView lse, TensorView probs,
+                    const FlashConfig& config = flash_config());
+
+// Tile sizes of the backward pass (key blocks are its outer loop, so they are
+// smaller than the forward's): QKV_FLASH_BWD_ROWS / QKV_FLASH_BWD_KEYS.
+FlashConfig flash_backward_config();
+
+// What the backward pass reads besides the plan's q, k, v (the plan's out,
+// lse and probs are unused), and what it writes.
+struct BackwardArgs {
+  ConstTensorView out;    // [B, Nq, Hq, Dv], the forward's output
+  ConstTensorView dout;   // [B, Nq, Hq, Dv]
+  ConstTensorView lse;    // f32 [B, Hq, Nq], the forward's
+  GradientOutputs grads;  // dq, dk, dv, d_relative_bias (not the additive score's)
+};
+
+// Backward pass (dot-product scores): dq, dk, dv and the relative bias
+// gradient, for a plan made with flash_backward_config(). Runs on OpenMP
+// threads; the result does not depend on the thread count.
+void flash_backward(const FlashPlan& plan, const BackwardArgs& args);
+
+// One parallel work item of the backward: key blocks [block_begin,
+// block_end) of one (sequence, KV head), visited by its units [unit_begin,
+// unit_end). It owns those rows of dk and dv, and adds its share of dq into
+// dQ partial buffer `chunk`.
+struct BackwardTask {
+  std::int64_t unit_begin = 0;
+  std::int64_t unit_end = 0;
+  std::int64_t block_begin = 0;
+  std::int64_t block_end = 0;
+  std::int64_t chunk = 0;
+};
+
+// The backward's work split and f32 accumulators. Splitting a head's keys
+// into `chunks` (chosen from the problem, never from the thread count) keeps
+// every thread busy when B * Hkv is small; each chunk adds into its own dQ
+// buffer and the buffers are summed in a fixed order, so no floating-point
+// atomics and no dependence on the schedule.
+struct BackwardPlan {
+  const FlashPlan* plan = nullptr;
+  BackwardArgs args;
+  std::vector<BackwardTask> tasks;
+  std::int64_t chunks = 1;
+  std::int64_t dq_ld = 0;       // floats per dQ row: Dq rounded up to the vector
+  float* dq_partial = nullptr;  // [chunks][B * Nq * Hq][dq_ld], zeroed
+  // Relative bias gradient by j - p_i + R, per task: [tasks][group][2 R + 1].
+  double* bias_partial = nullptr;
+};
 
 // Forward pass: out and lse. Runs on OpenMP threads; the result does not
 // depend on the thread count.

@@ -150,6 +150,27 @@ inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pa
   }
 }
 
+// C[keys][ldc] += A^T B for A^T[keys][rows_pad] (a product's left operand
+// stored transposed, like P^T) and B as column panels [d_pad / NR][rows_pad]
+// [NR]: the backward's dV += P^T dO and dK += dS^T Q, contracting over the
+// first `rows` rows. Column panels outer: a panel of B stays in L1 while the
+// key strips of A stream past.
+inline void AccumulateTransposed(const float* HWY_RESTRICT a_t, std::int64_t rows_pad,
+                                 std::int64_t rows, std::int64_t keys,
+                                 const float* HWY_RESTRICT b_panels, std::int64_t d_pad,
+                                 float* HWY_RESTRICT c, std::int64_t ldc) {
+  const std::int64_t nr = ValueWidth();
+  for (std::int64_t c0 = 0; c0 < d_pad; c0 += nr) {
+    const float* panel = b_panels + (c0 / nr) * rows_pad * nr;
+    for (std::int64_t j0 = 0; j0 < keys; j0 += kValueStrip) {
+      WithStrip<kValueStrip>(keys - j0, [&](auto strip) {
+        Micro<strip(), kValueVecs, true>(a_t + j0 * rows_pad, rows_pad, 1, rows, panel, nr,
+                                         c + j0 * ldc + c0, ldc);
+      });
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::cpu
 HWY_AFTER_NAMESPACE();

@@ -1,0 +1,426 @@
+// The per-target body of the fused backward pass (FlashAttention-2's form,
+// see qkv/backward.hpp). Key blocks are the outer loop, so a task keeps its
+// dK and dV accumulators in cache while the query tiles that see the block
+// stream past; for each (key block, query tile) tile, with keys as rows:
+//   S^T  = K Q^T (scaled), biased and masked as in the forward
+//   P^T  = exp(S^T - lse)                       recomputed, nothing stored
+//   dP^T = V dO^T
+//   dS^T = P^T (Z r dP^T - D)                   D_i = <dout_i, out_i>
+//   dV  += (Z r P^T) dO,  dK += dS^T Q,  dQ += dS K
+// Memory: per-thread tiles, the f32 dQ buffers of the key chunks, and for a
+// relative bias its per-task gradient by distance.
+#if defined(QKV_CPU_FLASH_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_FLASH_BACKWARD_INL_H_
+#undef QKV_CPU_FLASH_BACKWARD_INL_H_
+#else
+#define QKV_CPU_FLASH_BACKWARD_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/flash-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// One thread's backward buffers besides the forward's Scratch (whose q holds
+// the scaled Q^T panels, s the scores then P^T, m the lse and l the D of the
+// tile's rows). Shapes (NR = PanelWidth() = ValueWidth()):
+//   q_cols   Q as column panels [dk_pad / NR][rows_pad][NR] (unscaled)
+//   do_t     dO^T panels [rows_pad / NR][Dv][NR]
+//   do_cols  dO as column panels [dv_pad / NR][rows_pad][NR]
+//   dp       dP^T, then dS^T [keys][rows_pad]
+//   pd       dropout: P^T with the mask and 1 / (1 - p) applied [keys][rows_pad]
+//   raw      softcap: S^T before the cap [keys][rows_pad]
+//   k_rows   K block [keys][Dk];  k_cols  K as column panels [dk_pad / NR][keys][NR]
+//   v_rows   V block [keys][Dv]
+//   dk, dv   the block's accumulators [keys][dk_pad], [keys][dv_pad]
+//   dq       the tile's dQ [rows_pad][dk_pad]
+//   out_row, dout_row   one row of out / dout as f32
+//   pack_row  staging row for packing K as column panels
+struct BackwardScratch {
+  BackwardScratch(const TileShape& t, std::int64_t dk_pad)
+      : q_cols(Scratch::Alloc(dk_pad * t.rows_pad)),
+        do_t(Scratch::Alloc(t.rows_pad * t.dv_pad)),
+        do_cols(Scratch::Alloc(t.dv_pad * t.rows_pad)),
+        dp(Scratch::Alloc(t.keys * t.rows_pad + 64)),
+        pd(Scratch::Alloc(t.keys * t.rows_pad)),
+        raw(Scratch::Alloc(t.keys * t.rows_pad)),
+        k_rows(Scratch::Alloc(t.keys * t.dk)),
+        k_cols(Scratch::Alloc(t.keys * dk_pad)),
+        v_rows(Scratch::Alloc(t.keys * t.dv_pad)),
+        dk(Scratch::Alloc(t.keys * dk_pad)),
+        dv(Scratch::Alloc(t.keys * t.dv_pad)),
+        dq(Scratch::Alloc(t.rows_pad * dk_pad)),
+        out_row(Scratch::Alloc(t.dv_pad)),
+        dout_row(Scratch::Alloc(t.dv_pad)),
+        pack_row(Scratch::Alloc(std::max({dk_pad, t.dv_pad, t.dk}))) {}
+
+  hwy::AlignedFreeUniquePtr<float[]> q_cols, do_t, do_cols, dp, pd, raw, k_rows, k_cols, v_rows, dk,
+      dv, dq, out_row, dout_row, pack_row;
+};
+
+// Rows of the tile from `t` ([B, N, H, width]): as transposed panels
+// [rows_pad / NR][width][NR] scaled by `scale` (null: skipped), and as
+// column panels [width_pad / NR][rows_pad][NR] unscaled. Padding is zero.
+inline void PackTile(ConstTensorView t, const Unit& u, const UnitGeometry& g, std::int64_t rows_pad,
+                     float scale, float* HWY_RESTRICT panels_t, float* HWY_RESTRICT cols,
+                     float* HWY_RESTRICT row) {
+  const std::int64_t width = t.size(3);
+  const std::int64_t nr = PanelWidth();
+  const std::int64_t width_pad = RoundUp(std::max<std::int64_t>(width, 1), nr);
+  if (panels_t != nullptr) std::fill_n(panels_t, rows_pad * width, 0.0f);
+  std::fill_n(cols, width_pad * rows_pad, 0.0f);
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    for (std::int64_t pos = 0; pos < g.positions; ++pos) {
+      const std::int64_t r = gi * g.positions + pos;
+      LoadStridedRowF32(At(t, g.seq.batch, g.seq.q_begin + u.i0 + pos, u.hkv * g.group + gi),
+                        t.dtype(), width, t.stride(3), row);
+      if (panels_t != nullptr) {
+        float* panel = panels_t + (r / nr) * width * nr + r % nr;
+        for (std::int64_t c = 0; c < width; ++c) panel[c * nr] = row[c] * scale;
+      }
+      for (std::int64_t c = 0; c < width; ++c) {
+        cols[(c / nr) * rows_pad * nr + r * nr + c % nr] = row[c];
+      }
+    }
+  }
+}
+
+// Packs everything a tile needs from its query rows: Q^T (scaled) and Q
+// panels, dO^T and dO panels, and per row lse (-inf for padding, so its
+// P is 0) and D = <dout, out>.
+inline void PrepareTile(const BackwardPlan& bp, const Unit& u, const UnitGeometry& g,
+                        const TileShape& shape, Scratch& sc, BackwardScratch& b) {
+  const FlashPlan& plan = *bp.plan;
+  const detail::AttentionProblem& p = *plan.problem;
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(p.scale), sc.q.get(), b.q_cols.get(),
+           b.pack_row.get());
+  PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, b.do_t.get(), b.do_cols.get(),
+           b.pack_row.get());
+  float* lse = sc.m.get();
+  float* dsum = sc.l.get();
+  std::fill_n(lse, shape.rows_pad, kNegInf);
+  std::fill_n(dsum, shape.rows_pad, 0.0f);
+  const ConstTensorView lse_view = bp.args.lse;
+  const ConstTensorView out = bp.args.out;
+  const auto* lse_data = static_cast<const float*>(lse_view.data());
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t h = u.hkv * g.group + gi;
+    for (std::int64_t pos = 0; pos < g.positions; ++pos) {
+      const std::int64_t r = gi * g.positions + pos;
+      const std::int64_t row = g.seq.q_begin + u.i0 + pos;
+      lse[r] = lse_data[g.seq.batch * lse_view.stride(0) + h * lse_view.stride(1) +
+                        row * lse_view.stride(2)];
+      float* o = b.out_row.get();
+      float* dout = b.dout_row.get();
+      std::fill_n(o, shape.dv_pad, 0.0f);
+      std::fill_n(dout, shape.dv_pad, 0.0f);
+      LoadStridedRowF32(At(out, g.seq.batch, row, h), out.dtype(), p.dv, out.stride(3), o);
+      LoadStridedRowF32(At(bp.args.dout, g.seq.batch, row, h), bp.args.dout.dtype(), p.dv,
+                        bp.args.dout.stride(3), dout);
+      auto acc = hn::Zero(d);
+      for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
+        acc = hn::MulAdd(hn::Load(d, o + c), hn::Load(d, dout + c), acc);
+      }
+      dsum[r] = hn::GetLane(hn::SumOfLanes(d, acc));
+    }
+  }
+}
+
+// Dropout in the backward: regenerates the forward's mask Z for the tile and
+// turns dP^T into Z r dP^T and P^T (kept in sc.s for dS) into pd = Z r P^T.
+inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                        std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
+                        const float* HWY_RESTRICT p_t, float* HWY_RESTRICT dp,
+                        float* HWY_RESTRICT pd) {
+  const AttentionOptions& o = *plan.options;
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.dropout_p));
+  const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
+  std::fill_n(pd, cols * rows_pad, 0.0f);
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t bh = u.s * plan.problem->hq + u.hkv * g.group + gi;
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      const std::int64_t r = gi * g.positions + t;
+      for (std::int64_t c = 0; c < cols;) {
+        const std::int64_t j = j0 + c;
+        const detail::PhiloxCounter words =
+            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t, j);
+        for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
+          const bool keep = (words[static_cast<std::size_t>(w)] >> 8) >= threshold;
+          const std::int64_t x = c * rows_pad + r;
+          dp[x] = keep ? dp[x] * keep_scale : 0.0f;
+          pd[x] = keep ? p_t[x] * keep_scale : 0.0f;
+        }
+      }
+    }
+  }
+}
+
+// Adds dS of the tile to the task's relative bias gradient by distance
+// j - p_i + R (summed over the tile's rows of each head).
+inline void AccumulateBiasGradient(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                                   std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
+                                   const float* HWY_RESTRICT ds, double* HWY_RESTRICT partial) {
+  const std::int64_t width = 2 * plan.relative_radius + 1;
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    double* by_delta = partial + gi * width + plan.relative_radius;
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      const std::int64_t pos = u.i0 + t + g.offset;
+      const float* col = ds + gi * g.positions + t;
+      for (std::int64_t c = 0; c < cols; ++c) by_delta[j0 + c - pos] += col[c * rows_pad];
+    }
+  }
+}
+
+// One (key block, query tile) step: adds to the block's dK, dV and to the
+// chunk's dQ buffer. Keys [j0, j0 + cols) lie `off` keys into the block.
+inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const Unit& u,
+                         const UnitGeometry& g, const TileShape& shape, std::int64_t dk_pad,
+                         std::int64_t j0, std::int64_t cols, std::int64_t off, bool range_partial,
+                         bool mask_partial, Scratch& sc, BackwardScratch& b, double* bias_partial) {
+  const FlashPlan& plan = *bp.plan;
+  const AttentionOptions& o = *plan.options;
+  const detail::AttentionProblem& p = *plan.problem;
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t rows = g.rows();
+  const std::int64_t rows_pad = shape.rows_pad;
+  const std::int64_t rows_used = RoundUp(rows, PanelWidth());
+  const std::int64_t bk = plan.config.keys;
+
+  if (range_partial) BlockKeySpans(plan, u, g, j0, cols, sc);
+  const KeySpan* panel_keys = range_partial ? sc.panel_keys.data() : nullptr;
+  const KeySpan* row_keys = range_partial ? sc.row_keys.data() : nullptr;
+  PrepareTile(bp, u, g, shape, sc, b);
+
+  float* s = sc.s.get();
+  float* dp = b.dp.get();
+  ScoresTransposed(b.k_rows.get() + off * p.dk, p.dk, cols, p.dk, sc.q.get(), rows, rows_pad,
+                   panel_keys, s);
+  if (o.softcap > 0.0) std::copy_n(s, cols * rows_pad, b.raw.get());
+  ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_partial, s, rows_pad);
+  ScoresTransposed(b.v_rows.get() + off * shape.dv_pad, shape.dv_pad, cols, p.dv, b.do_t.get(),
+                   rows, rows_pad, panel_keys, dp);
+
+  // P = exp(S - lse): 0 for masked keys and for rows without any key.
+  const float* lse = sc.m.get();
+  const float* dsum = sc.l.get();
+  for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    const auto v_lse = hn::Load(d, lse + r);
+    const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
+    for (std::int64_t c = 0; c < cols; ++c) {
+      float* x = s + c * rows_pad + r;
+      hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
+    }
+  }
+  const bool dropout = o.dropout_p > 0.0;
+  if (dropout) DropoutTile(plan, u, g, j0, cols, rows_pad, s, dp, b.pd.get());
+  // dS = P (dP - D), exactly 0 where P is (whatever dP holds there).
+  for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    const auto v_d = hn::Load(d, dsum + r);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const auto pv = hn::Load(d, s + c * rows_pad + r);
+      float* x = dp + c * rows_pad + r;
+      const auto ds = hn::Mul(pv, hn::Sub(hn::Load(d, x), v_d));
+      hn::Store(hn::IfThenZeroElse(hn::Eq(pv, hn::Zero(d)), ds), d, x);
+    }
+  }
+  if (bias_partial != nullptr)
+    AccumulateBiasGradient(plan, u, g, j0, cols, rows_pad, dp, bias_partial);
+  if (o.softcap > 0.0) {
+    // s = c tanh(raw / c): ds/draw = 1 - tanh^2(raw / c).
+    const auto inv = hn::Set(d, static_cast<float>(1.0 / o.softcap));
+    const auto one = hn::Set(d, 1.0f);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      for (std::int64_t r = 0; r < rows_used; r += lanes) {
+        const auto t = hn::Tanh(d, hn::Mul(hn::Load(d, b.raw.get() + c * rows_pad + r), inv));
+        float* x = dp + c * rows_pad + r;
+        hn::Store(hn::Mul(hn::Load(d, x), hn::NegMulAdd(t, t, one)), d, x);
+      }
+    }
+  }
+
+  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, b.do_cols.get(),
+                       shape.dv_pad, b.dv.get() + off * shape.dv_pad, shape.dv_pad);
+  AccumulateTransposed(dp, rows_pad, rows, cols, b.q_cols.get(), dk_pad, b.dk.get() + off * dk_pad,
+                       dk_pad);
+  float* dq = b.dq.get();
+  std::fill_n(dq, rows_pad * dk_pad, 0.0f);
+  AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
+                   bk * ValueWidth(), dk_pad, dq, dk_pad);
+  // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout.
+  float* partial = bp.dq_partial + task.chunk * p.batch * p.nq * p.hq * bp.dq_ld;
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t h = u.hkv * g.group + gi;
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      const std::int64_t row = (g.seq.batch * p.nq + g.seq.q_begin + u.i0 + t) * p.hq + h;
+      float* dst = partial + row * bp.dq_ld;
+      const float* src = dq + (gi * g.positions + t) * dk_pad;
+      for (std::int64_t c = 0; c < bp.dq_ld; c += lanes) {
+        hn::Store(hn::Add(hn::Load(d, dst + c), hn::Load(d, src + c)), d, dst + c);
+      }
+    }
+  }
+}
+
+// One task: for each of its key blocks, pack K and V, visit every query tile
+// that some mask leaves open, and write the block's dk and dv rows.
+inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
+                            const TileShape& shape, std::int64_t dk_pad, Scratch& sc,
+                            BackwardScratch& b, double* bias_partial) {
+  const FlashPlan& plan = *bp.plan;
+  const detail::AttentionProblem& p = *plan.problem;
+  const std::int64_t bk = plan.config.keys;
+  const Unit& first = plan.units[static_cast<std::size_t>(task.unit_begin)];
+  const UnitGeometry head = GeometryOf(plan, first);
+  const GradientOutputs& grads = bp.args.grads;
+  for (std::int64_t kb = task.block_begin; kb < task.block_end; ++kb) {
+    const std::int64_t kj0 = kb * bk;
+    const std::int64_t kcols = std::min(bk, head.seq.nk_rows - kj0);
+    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, p.dk, b.k_rows.get());
+    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, dk_pad, b.k_cols.get(), bk * ValueWidth(),
+             b.pack_row.get());
+    PackRows(plan.v, head.seq, kj0, kcols, first.hkv, shape.dv_pad, b.v_rows.get());
+    std::fill_n(b.dk.get(), bk * dk_pad, 0.0f);
+    std::fill_n(b.dv.get(), bk * shape.dv_pad, 0.0f);
+    for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {
+      const Unit& u = plan.units[static_cast<std::size_t>(ui)];
+      const UnitGeometry g = GeometryOf(plan, u);
+      const BlockSpan span = SpanOf(plan, u, g);
+      if (kb < span.begin || kb >= span.end) continue;
+      const BlockClass mask_class = MaskClass(plan, u, kb);
+      if (mask_class == BlockClass::empty) continue;
+      const std::int64_t j0 = std::max(kj0, span.first.lo);
+      const std::int64_t cols = std::min({kj0 + kcols, span.last.hi}) - j0;
+      if (cols <= 0) continue;
+      const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
+      BackwardTile(bp, task, u, g, shape, dk_pad, j0, cols, j0 - kj0, range_partial,
+                   mask_class == BlockClass::partial, sc, b, bias_partial);
+    }
+    const auto scale = static_cast<float>(p.scale);
+    for (std::int64_t j = 0; j < kcols; ++j) {
+      float* dk_row = b.dk.get() + j * dk_pad;
+      for (std::int64_t c = 0; c < p.dk; ++c) dk_row[c] *= scale;
+      StoreViewRow(dk_row, p.dk, grads.dk, head.seq.batch, head.seq.k_begin + kj0 + j, first.hkv);
+      StoreViewRow(b.dv.get() + j * shape.dv_pad, p.dv, grads.dv, head.seq.batch,
+                   head.seq.k_begin + kj0 + j, first.hkv);
+    }
+  }
+}
+
+// Work of each key block of the (sequence, KV head) whose units are
+// [unit_begin, unit_end): the (query row, key) pairs of the tiles that visit
+// it, as the task loop below visits them.
+inline std::vector<double> BlockWork(const FlashPlan& plan, std::int64_t unit_begin,
+                                     std::int64_t unit_end, std::int64_t blocks) {
+  std::vector<double> work(static_cast<std::size_t>(blocks), 0.0);
+  const std::int64_t bk = plan.config.keys;
+  for (std::int64_t ui = unit_begin; ui < unit_end; ++ui) {
+    const Unit& u = plan.units[static_cast<std::size_t>(ui)];
+    const UnitGeometry g = GeometryOf(plan, u);
+    const BlockSpan span = SpanOf(plan, u, g);
+    for (std::int64_t kb = span.begin; kb < std::min(span.end, blocks); ++kb) {
+      if (MaskClass(plan, u, kb) == BlockClass::empty) continue;
+      const std::int64_t j0 = std::max(kb * bk, span.first.lo);
+      const std::int64_t cols = std::min({(kb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
+      if (cols > 0) work[static_cast<std::size_t>(kb)] += static_cast<double>(g.rows() * cols);
+    }
+  }
+  return work;
+}
+
+// Splits each (sequence, KV head) into at most bp.chunks runs of key blocks
+// of about equal work (so causal heads split evenly too).
+inline void BackwardTasks(BackwardPlan& bp) {
+  const FlashPlan& plan = *bp.plan;
+  const std::int64_t bk = plan.config.keys;
+  const auto n = static_cast<std::int64_t>(plan.units.size());
+  for (std::int64_t begin = 0, end = 0; begin < n; begin = end) {
+    const Unit& first = plan.units[static_cast<std::size_t>(begin)];
+    end = begin;
+    while (end < n && plan.units[static_cast<std::size_t>(end)].s == first.s &&
+           plan.units[static_cast<std::size_t>(end)].hkv == first.hkv) {
+      ++end;
+    }
+    const detail::SequenceExtent seq = plan.problem->sequence(first.s, *plan.options);
+    const std::int64_t blocks = (seq.nk_rows + bk - 1) / bk;
+    const std::vector<double> work = BlockWork(plan, begin, end, blocks);
+    double total = 0.0;
+    for (const double w : work) total += w;
+    // Chunk c ends at the first block where the running work reaches
+    // (c + 1) / chunks of the total; the last chunk takes the rest.
+    std::int64_t block = 0;
+    double done = 0.0;
+    for (std::int64_t c = 0; c < bp.chunks && block < blocks; ++c) {
+      const std::int64_t block_begin = block;
+      const double target = total * static_cast<double>(c + 1) / static_cast<double>(bp.chunks);
+      if (c + 1 == bp.chunks) {
+        block = blocks;
+      } else {
+        while (block < blocks && (block == block_begin || done < target)) {
+          done += work[static_cast<std::size_t>(block)];
+          ++block;
+        }
+      }
+      bp.tasks.push_back({begin, end, block_begin, block, c});
+    }
+  }
+}
+
+inline void FlashBackwardImpl(const BackwardPlan& bp) {
+  const FlashPlan& plan = *bp.plan;
+  const TileShape shape = ShapeOf(plan);
+  const std::int64_t dk_pad = RoundUp(std::max<std::int64_t>(plan.problem->dk, 1), ValueWidth());
+  const std::int64_t bias_width =
+      plan.relative_bias.empty() ? 0 : plan.problem->group() * (2 * plan.relative_radius + 1);
+  const auto n = static_cast<std::int64_t>(bp.tasks.size());
+#pragma omp parallel
+  {
+    Scratch sc(shape);
+    BackwardScratch b(shape, dk_pad);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t i = 0; i < n; ++i) {
+      BackwardTaskRun(bp, bp.tasks[static_cast<std::size_t>(i)], shape, dk_pad, sc, b,
+                      bias_width > 0 ? bp.bias_partial + i * bias_width : nullptr);
+    }
+  }
+}
+
+// dq = scale * (sum of the chunks' dQ buffers, in chunk order), rounded once.
+inline void FlashBackwardReduceDq(const BackwardPlan& bp) {
+  const detail::AttentionProblem& p = *bp.plan->problem;
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t rows = p.batch * p.nq * p.hq;
+  const std::int64_t chunk_stride = rows * bp.dq_ld;
+  const auto scale = hn::Set(d, static_cast<float>(p.scale));
+#pragma omp parallel
+  {
+    auto sum = hwy::AllocateAligned<float>(static_cast<std::size_t>(bp.dq_ld));
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < bp.dq_ld; c += lanes) {
+        auto acc = hn::Load(d, bp.dq_partial + r * bp.dq_ld + c);
+        for (std::int64_t k = 1; k < bp.chunks; ++k) {
+          acc = hn::Add(acc, hn::Load(d, bp.dq_partial + k * chunk_stride + r * bp.dq_ld + c));
+        }
+        hn::Store(hn::Mul(acc, scale), d, sum.get() + c);
+      }
+      StoreViewRow(sum.get(), p.dq, bp.args.grads.dq, r / (p.nq * p.hq), (r / p.hq) % p.nq,
+                   r % p.hq);
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::cpu
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_CPU_FLASH_BACKWARD_INL_H_

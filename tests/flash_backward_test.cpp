@@ -1,0 +1,370 @@
+// The fused backward against the reference backward, with the tolerance
+// policy of docs/numerics.md: for each gradient, the fast path's largest error
+// against the reference (inputs, forward and backward in double) must be at
+// most twice the error of the same naive computation in the input precision
+// (reference::naive_attention_backward: the reference loops in f32, rounding
+// scores, weights and their gradients to bf16/f16 for those inputs), plus
+// half an ulp of the gradient's format at the gradient's magnitude, plus for
+// dq and dk the cancellation in dS = P (dP - D): dP_ij = <dout_i, v_j> and
+// D_i = <dout_i, out_i> are sums of Dv products computed in a different
+// order by every implementation, so each dS_ij carries an error up to about
+// 2 Dv u |P_ij| max|dout| max|v| (r = 1 / (1 - p) more with dropout) even
+// where the exact dS is 0 (a row seeing a single key); through
+// dq_i = scale sum_j dS_ij k_j (sum_j P_ij = 1) and dk_j = scale sum_i dS_ij
+// q_i this bounds their error by that times scale max|k| (dq) or
+// scale max|q| max_j sum_i P_ij (dk).
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "cpu/flash.hpp"
+#include "hwy/targets.h"
+#include "reference/attention.hpp"
+#include "reference/backward.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::ConstTensorView;
+using qkv::DType;
+using qkv::Tensor;
+using qkv::test::has_non_finite;
+using qkv::test::max_abs;
+using qkv::test::max_abs_diff;
+using qkv::test::random_tensor;
+using qkv::test::unit_roundoff;
+
+struct Inputs {
+  Tensor q, k, v;
+};
+
+Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std::int64_t hq,
+                   std::int64_t hkv, std::int64_t dk, std::int64_t dv, DType dtype,
+                   std::uint32_t seed) {
+  return {random_tensor(dtype, {b, nq, hq, dk}, seed, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dk}, seed + 1, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
+}
+
+Tensor f64(ConstTensorView t) { return qkv::to_dtype(t, DType::f64); }
+
+// Runs forward and backward on the fast backend, as a training step would,
+// and checks every gradient against the reference with the tolerance policy.
+// Returns the fast gradients.
+qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstTensorView k,
+                                                ConstTensorView v, AttentionOptions opt,
+                                                const std::string& label, std::uint32_t seed = 5) {
+  const DType dtype = q.dtype();
+  opt.return_lse = true;
+  AttentionOptions fast_opt = opt;
+  fast_opt.backend = qkv::Backend::fast;
+  const qkv::AttentionResult fwd = qkv::attention(q, k, v, fast_opt);
+  const Tensor dout = random_tensor(
+      dtype, {fwd.out.size(0), fwd.out.size(1), fwd.out.size(2), fwd.out.size(3)}, seed, -1.0, 1.0);
+  const qkv::AttentionGradients fast =
+      qkv::attention_backward(q, k, v, fwd.out, dout, fwd.lse, fast_opt);
+
+  // The reference: everything in double, from the same (rounded) inputs. The
+  // relative bias table is converted too, so that no input is rounded twice.
+  AttentionOptions ref_opt = opt;
+  ref_opt.backend = qkv::Backend::reference;
+  Tensor table64;
+  if (opt.relative_bias.table.defined()) {
+    table64 = f64(opt.relative_bias.table);
+    ref_opt.relative_bias.table = table64;
+  }
+  const Tensor q64 = f64(q), k64 = f64(k), v64 = f64(v), dout64 = f64(dout);
+  AttentionOptions probs_opt = ref_opt;
+  probs_opt.return_probs = true;
+  const qkv::AttentionResult ref_fwd = qkv::attention(q64, k64, v64, probs_opt);
+  const qkv::AttentionGradients ref =
+      qkv::attention_backward(q64, k64, v64, ref_fwd.out, dout64, ref_fwd.lse, ref_opt);
+
+  // The naive computation in the input precision, from its own forward.
+  const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
+  Tensor naive_out(dtype, fwd.out.view().size_span());
+  Tensor naive_lse(DType::f32, fwd.lse.view().size_span());
+  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, dtype);
+  qkv::AttentionGradients naive;
+  naive.dq = Tensor(dtype, fast.dq.view().size_span());
+  naive.dk = Tensor(dtype, fast.dk.view().size_span());
+  naive.dv = Tensor(dtype, fast.dv.view().size_span());
+  if (fast.d_relative_bias.defined()) {
+    naive.d_relative_bias = Tensor(DType::f32, fast.d_relative_bias.view().size_span());
+  }
+  qkv::reference::naive_attention_backward(
+      problem, q, k, v, naive_out, dout, naive_lse,
+      {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt, dtype);
+
+  // The cancellation floor (see the top of this file).
+  const ConstTensorView probs = ref_fwd.probs;
+  double key_mass = 0.0;  // max_j sum_i P_ij over the query heads of a KV head
+  for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
+    for (std::int64_t hk = 0; hk < problem.hkv; ++hk)
+      for (std::int64_t j = 0; j < probs.size(3); ++j) {
+        double mass = 0.0;
+        for (std::int64_t h = hk * problem.group(); h < (hk + 1) * problem.group(); ++h)
+          for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
+        key_mass = std::max(key_mass, mass);
+      }
+  const double ds_error = 2.0 * static_cast<double>(problem.dv) * unit_roundoff(DType::f32) *
+                          max_abs(dout) * max_abs(v) / (1.0 - opt.dropout_p);
+  const double dq_cancel = ds_error * problem.scale * max_abs(k);
+  const double dk_cancel = ds_error * problem.scale * max_abs(q) * key_mass;
+
+  auto check = [&](const char* name, const Tensor& f, const Tensor& r, const Tensor& n,
+                   DType out_dtype, double cancel = 0.0) {
+    EXPECT_FALSE(has_non_finite(f)) << label << ": " << name << " has NaN or inf";
+    const double err_fast = max_abs_diff(f, r);
+    const double err_naive = max_abs_diff(n, r);
+    const double floor = unit_roundoff(out_dtype) * max_abs(r) + cancel;
+    EXPECT_LE(err_fast, 2 * err_naive + floor)
+        << label << ": " << name << " fast error " << err_fast << ", naive " << err_naive
+        << ", floor " << floor;
+  };
+  check("dq", fast.dq, ref.dq, naive.dq, dtype, dq_cancel);
+  check("dk", fast.dk, ref.dk, naive.dk, dtype, dk_cancel);
+  check("dv", fast.dv, ref.dv, naive.dv, dtype);
+  if (fast.d_relative_bias.defined()) {
+    check("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, naive.d_relative_bias,
+          DType::f32);
+  }
+  return fast;
+}
+
+struct SweepCase {
+  std::int64_t nq, nk, hq, hkv, d;
+};
+
+// Sizes around tile (64 rows, 128 keys) and vector boundaries, and the head
+// dims DESIGN.md lists.
+const SweepCase kSweep[] = {
+    {1, 1, 1, 1, 1},     {1, 300, 8, 1, 64},   {17, 17, 2, 2, 8},    {17, 97, 4, 2, 59},
+    {97, 17, 8, 8, 111}, {97, 129, 8, 1, 128}, {64, 257, 2, 1, 256}, {300, 300, 1, 1, 64},
+};
+
+class FlashBackwardSweep : public ::testing::TestWithParam<DType> {};
+
+TEST_P(FlashBackwardSweep, ShapesAndRangeMasks) {
+  const DType dtype = GetParam();
+  std::uint32_t seed = 200;
+  for (const SweepCase& c : kSweep) {
+    const Inputs x = make_inputs(1, c.nq, c.nk, c.hq, c.hkv, c.d, c.d, dtype, seed += 3);
+    const std::string shape = "Nq=" + std::to_string(c.nq) + " Nk=" + std::to_string(c.nk) +
+                              " Hq=" + std::to_string(c.hq) + " Hkv=" + std::to_string(c.hkv) +
+                              " D=" + std::to_string(c.d);
+    expect_backward_matches(x.q, x.k, x.v, {}, shape + " full");
+    AttentionOptions causal;
+    causal.causal = true;
+    expect_backward_matches(x.q, x.k, x.v, causal, shape + " causal bottom-right");
+    causal.align = qkv::Align::top_left;
+    expect_backward_matches(x.q, x.k, x.v, causal, shape + " causal top-left");
+    AttentionOptions window;
+    window.window_left = 5;
+    window.window_right = 3;
+    expect_backward_matches(x.q, x.k, x.v, window, shape + " window");
+  }
+}
+
+TEST_P(FlashBackwardSweep, EveryFeatureAloneAndCombined) {
+  const DType dtype = GetParam();
+  const std::int64_t b = 2, nq = 70, nk = 300, hq = 4, hkv = 2, d = 40;
+  const Inputs x = make_inputs(b, nq, nk, hq, hkv, d, 24, dtype, 7);
+  const std::vector<float> slopes = qkv::alibi_slopes(hq);
+  const Tensor table = random_tensor(DType::f32, {hq, 32}, 8, -1.0, 1.0);
+  Tensor bool_mask(DType::boolean, {b, 1, nq, nk});
+  Tensor float_mask(DType::f32, {nq, nk});
+  for (std::int64_t i = 0; i < nq; ++i)
+    for (std::int64_t j = 0; j < nk; ++j) {
+      for (std::int64_t bb = 0; bb < b; ++bb)
+        bool_mask.set({bb, 0, i, j}, (i + 3 * j + bb) % 7 != 0);
+      float_mask.set({i, j}, j % 11 == 0 ? -std::numeric_limits<double>::infinity()
+                                         : 0.25 * std::sin(double(i * j)));
+    }
+  const std::int64_t lengths[] = {300, 129};
+
+  std::vector<std::pair<std::string, AttentionOptions>> cases;
+  auto add = [&](const std::string& name, auto&& set) {
+    AttentionOptions o;
+    set(o);
+    cases.emplace_back(name, o);
+  };
+  add("dot", [](auto& o) { o.score = qkv::Score::dot; });
+  add("scale", [](auto& o) { o.scale = 0.3; });
+  add("key lengths", [&](auto& o) { o.key_lengths = lengths; });
+  add("bool mask", [&](auto& o) { o.mask = bool_mask; });
+  add("float mask", [&](auto& o) { o.mask = float_mask; });
+  add("alibi", [&](auto& o) { o.alibi_slopes = slopes; });
+  add("relative bias", [&](auto& o) { o.relative_bias = {table, 64, true}; });
+  add("causal relative bias", [&](auto& o) {
+    o.relative_bias = {table, 64, false};
+    o.causal = true;
+  });
+  add("softcap", [](auto& o) { o.softcap = 1.5; });
+  add("mask_mod", [](auto& o) {
+    o.mask_mod = [](std::int64_t, std::int64_t h, std::int64_t i, std::int64_t j) {
+      return (i / 16 + h) % 3 != (j / 32) % 3;
+    };
+  });
+  add("dropout", [](auto& o) {
+    o.dropout_p = 0.2;
+    o.dropout_seed = 1234;
+    o.dropout_offset = 7;
+  });
+  add("everything", [&](auto& o) {
+    o.causal = true;
+    o.window_left = 100;
+    o.key_lengths = lengths;
+    o.mask = bool_mask;
+    o.alibi_slopes = slopes;
+    o.softcap = 5.0;
+    o.dropout_p = 0.1;
+    o.mask_mod = [](std::int64_t, std::int64_t, std::int64_t i, std::int64_t j) {
+      return (i + j) % 13 != 0;
+    };
+  });
+  add("window, float mask and relative bias", [&](auto& o) {
+    o.window_left = 40;
+    o.window_right = 40;
+    o.mask = float_mask;
+    o.relative_bias = {table, 64, true};
+  });
+  for (const auto& [name, opt] : cases) expect_backward_matches(x.q, x.k, x.v, opt, name);
+}
+
+TEST_P(FlashBackwardSweep, PackedSequences) {
+  const DType dtype = GetParam();
+  const std::int64_t cu_q[] = {0, 5, 5, 150, 151};
+  const std::int64_t cu_k[] = {0, 300, 301, 420, 420};
+  const Inputs x = make_inputs(1, 151, 420, 6, 3, 32, 32, dtype, 11);
+  AttentionOptions o;
+  o.cu_seqlens_q = cu_q;
+  o.cu_seqlens_k = cu_k;
+  expect_backward_matches(x.q, x.k, x.v, o, "varlen");
+  o.causal = true;
+  const std::int64_t lengths[] = {250, 0, 100, 0};
+  o.key_lengths = lengths;
+  o.dropout_p = 0.3;
+  expect_backward_matches(x.q, x.k, x.v, o, "varlen causal key lengths dropout");
+}
+
+TEST_P(FlashBackwardSweep, FullyMaskedRowsAndKeys) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(1, 40, 20, 2, 1, 16, 16, dtype, 31);
+  AttentionOptions o;
+  o.causal = true;  // bottom-right with Nq > Nk: the first 20 rows see nothing
+  const auto g = expect_backward_matches(x.q, x.k, x.v, o, "empty rows");
+  EXPECT_EQ(max_abs(g.dq.view().slice(1, 0, 20)), 0.0);
+  const std::int64_t lengths[] = {12};
+  AttentionOptions padded;
+  padded.key_lengths = lengths;
+  const auto p = expect_backward_matches(x.q, x.k, x.v, padded, "padded keys");
+  EXPECT_EQ(max_abs(p.dk.view().slice(1, 12, 8)), 0.0);
+  EXPECT_EQ(max_abs(p.dv.view().slice(1, 12, 8)), 0.0);
+}
+
+TEST_P(FlashBackwardSweep, StridedViews) {
+  const DType dtype = GetParam();
+  // [B, H, N, D] storage read through transposed views, gradients written the same way.
+  const Tensor q = random_tensor(dtype, {2, 4, 33, 24}, 41);
+  const Tensor k = random_tensor(dtype, {2, 2, 50, 24}, 42);
+  const Tensor v = random_tensor(dtype, {2, 2, 50, 24}, 43);
+  AttentionOptions o;
+  o.causal = true;
+  const auto contiguous =
+      expect_backward_matches(q.view().transpose(1, 2), k.view().transpose(1, 2),
+                              v.view().transpose(1, 2), o, "BHND views");
+  o.backend = qkv::Backend::fast;
+  o.return_lse = true;
+  const auto fwd = qkv::attention(q.view().transpose(1, 2), k.view().transpose(1, 2),
+                                  v.view().transpose(1, 2), o);
+  const Tensor dout = random_tensor(dtype, {2, 33, 4, 24}, 5, -1.0, 1.0);
+  Tensor dq(dtype, {2, 4, 33, 24}), dk(dtype, {2, 2, 50, 24}), dv(dtype, {2, 2, 50, 24});
+  qkv::attention_backward_into(
+      q.view().transpose(1, 2), k.view().transpose(1, 2), v.view().transpose(1, 2), fwd.out, dout,
+      fwd.lse, {dq.view().transpose(1, 2), dk.view().transpose(1, 2), dv.view().transpose(1, 2)},
+      o);
+  EXPECT_EQ(max_abs_diff(dq.view().transpose(1, 2), contiguous.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(dk.view().transpose(1, 2), contiguous.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(dv.view().transpose(1, 2), contiguous.dv), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(FlashBackward, FlashBackwardSweep,
+                         ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& p) { return std::string(qkv::dtype_name(p.param)); });
+
+// Gradients are bitwise identical for any thread count, including one head
+// (B * Hkv = 1), where the keys are split into chunks so that threads share
+// the work.
+TEST(FlashBackward, BitwiseIdenticalForAnyThreadCount) {
+  for (const std::int64_t hkv : {1, 2}) {
+    const Inputs x = make_inputs(1, 333, 600, 2 * hkv, hkv, 64, 64, DType::f32, 71);
+    AttentionOptions o;
+    o.backend = qkv::Backend::fast;
+    o.causal = true;
+    o.return_lse = true;
+    const auto fwd = qkv::attention(x.q, x.k, x.v, o);
+    const Tensor dout = random_tensor(DType::f32, {1, 333, 2 * hkv, 64}, 72);
+    const int saved = omp_get_max_threads();
+    std::vector<qkv::AttentionGradients> results;
+    for (int threads : {1, 2, 3, 4}) {
+      omp_set_num_threads(threads);
+      results.push_back(qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, o));
+    }
+    omp_set_num_threads(saved);
+    auto same = [](const Tensor& a, const Tensor& b) {
+      return std::memcmp(a.data<float>(), b.data<float>(),
+                         sizeof(float) * static_cast<std::size_t>(a.numel())) == 0;
+    };
+    for (std::size_t t = 1; t < results.size(); ++t) {
+      EXPECT_TRUE(same(results[0].dq, results[t].dq)) << "Hkv=" << hkv << " run " << t;
+      EXPECT_TRUE(same(results[0].dk, results[t].dk)) << "Hkv=" << hkv << " run " << t;
+      EXPECT_TRUE(same(results[0].dv, results[t].dv)) << "Hkv=" << hkv << " run " << t;
+    }
+  }
+}
+
+TEST(FlashBackward, EveryHighwayTargetThisCpuRuns) {
+  const Inputs x = make_inputs(2, 45, 130, 4, 2, 36, 20, DType::f32, 81);
+  AttentionOptions o;
+  o.causal = true;
+  o.softcap = 2.0;
+  std::vector<std::string> ran;
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    ran.push_back(qkv::cpu::flash_target());
+    expect_backward_matches(x.q, x.k, x.v, o, ran.back());
+    const Inputs h = make_inputs(1, 20, 33, 4, 1, 16, 16, DType::bf16, 82);
+    expect_backward_matches(h.q, h.k, h.v, o, ran.back() + " bf16");
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(ran.size(), 2u) << "expected the native target and at least one fallback";
+}
+
+// The additive score's backward runs the reference on Backend::automatic
+// and is refused by Backend::fast.
+TEST(FlashBackward, AdditiveScoreUsesTheReference) {
+  const Inputs x = make_inputs(1, 5, 9, 1, 1, 6, 4, DType::f32, 91);
+  const Tensor w_q = random_tensor(DType::f32, {3, 6}, 92);
+  const Tensor w_k = random_tensor(DType::f32, {3, 6}, 93);
+  const Tensor v_a = random_tensor(DType::f32, {3}, 94);
+  AttentionOptions o;
+  o.score = qkv::Score::additive;
+  o.additive = {w_q, w_k, v_a, {}};
+  o.return_lse = true;
+  const auto fwd = qkv::attention(x.q, x.k, x.v, o);
+  const Tensor dout = random_tensor(DType::f32, {1, 5, 1, 4}, 95);
+  const auto g = qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, o);
+  EXPECT_TRUE(g.d_additive_w_q.defined());
+  o.backend = qkv::Backend::fast;
+  EXPECT_THROW(qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, o), qkv::Error);
+}
+
+}  // namespace
