@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
 """Wall-clock time of qkv's fused CPU attention against PyTorch's CPU SDPA.
 
-Runs `qkv bench --json` for the selected forward cases, then times the same
-shapes through torch.nn.functional.scaled_dot_product_attention on the CPU,
-with the same thread count, dtype and repeats: inputs made as [B, N, H, D] and
-viewed as [B, H, N, D] with .transpose(1, 2) (as users do), is_causal for the
-causal cases, and a boolean attn_mask (True = attend, built outside the timed
-region) for sliding windows. Both sides report the median of --repeats timed
-runs after one warm-up run. speedup = torch_seconds / qkv_seconds (> 1: qkv
-is faster). Forward pass only, no autograd.
+Runs `qkv bench --json` for the selected cases of --suite (forward, backward
+or all), then times the same shapes through
+torch.nn.functional.scaled_dot_product_attention on the CPU, with the same
+thread count, dtype and repeats: inputs made as [B, N, H, D] and viewed as
+[B, H, N, D] with .transpose(1, 2) (as users do), is_causal for the causal
+cases, and a boolean attn_mask (True = attend, built outside the timed region)
+for sliding windows. Both sides report the median of --repeats timed runs
+after one warm-up run. speedup = torch_seconds / qkv_seconds (> 1: qkv is
+faster).
+
+Forward cases time the forward pass alone, under torch.inference_mode().
+Backward cases time the backward pass alone, as `qkv bench` does: the forward
+runs once with autograd recording (inputs are [B, N, H, D] leaves that require
+grad), then each timed run is torch.autograd.grad(out, (q, k, v), dout,
+retain_graph=True) with a random dout, which returns the three gradients
+without accumulating them into .grad.
 
 Install torch from PyPI only (see bench/requirements.txt):
     python3 -m pip install -r bench/requirements.txt
@@ -32,14 +40,22 @@ from typing import Any, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QKV = REPO_ROOT / "build" / "release" / "qkv"
-# N=8192 (and the H1/N65536 case) take long in torch, above all with a
-# materialized window mask: select them explicitly with --filter.
+# N=8192 and the one-head memory cases (forward H1/N65536, backward H1/N32768)
+# take long in torch, above all with a materialized window mask: select them
+# explicitly with --filter.
 DEFAULT_FILTER = r"/N(512|2048)/|/cross$"
+SUITES = ("forward", "backward", "all")
 SAMPLE_LINE = (
     '{"suite":"forward","name":"fwd/bf16/B1/H16/N512/D64/window256","impl":"qkv",'
     '"dtype":"bf16","B":1,"Hq":16,"Hkv":16,"Nq":512,"Nk":512,"D":64,"causal":true,'
     '"window":[256,0],"threads":2,"seconds":0.00123,"gflops":10.5,"peak_gflops":100,'
     '"fraction_of_peak":0.105,"extra_bytes":0,"target":"AVX2"}'
+)
+SAMPLE_BACKWARD_LINE = (
+    '{"suite":"backward","name":"bwd/f32/B1/H16/N2048/D64/causal","impl":"qkv",'
+    '"dtype":"f32","B":1,"Hq":16,"Hkv":16,"Nq":2048,"Nk":2048,"D":64,"causal":true,'
+    '"window":[-1,-1],"threads":2,"seconds":0.5,"gflops":43,"peak_gflops":100,'
+    '"fraction_of_peak":0.43,"extra_bytes":0,"target":"AVX2"}'
 )
 
 
@@ -56,19 +72,21 @@ def parse_records(lines: Iterable[str]) -> list[dict[str, Any]]:
     return records
 
 
-def run_qkv(qkv: Path, filter_: str, threads: int, repeats: int) -> list[dict[str, Any]]:
+def run_qkv(qkv: Path, suite: str, filter_: str, threads: int,
+            repeats: int) -> list[dict[str, Any]]:
     """Runs `qkv bench --json` (its progress goes to our stderr) and parses its output."""
     if not qkv.is_file() or not os.access(qkv, os.X_OK):
         sys.exit(f"compare_torch: no qkv binary at {qkv}\n"
                  "  build it first (cmake --preset release && cmake --build --preset release)"
                  " or pass --qkv PATH")
-    cmd = [str(qkv), "bench", "--json", "--filter", filter_,
+    cmd = [str(qkv), "bench", "--json", "--suite", suite, "--filter", filter_,
            "--threads", str(threads), "--repeats", str(repeats)]
     print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         sys.exit(f"compare_torch: `{shlex.join(cmd)}` exited with {proc.returncode}"
-                 " (does this qkv binary have the `bench` subcommand? is the filter right?)")
+                 " (does this qkv binary have the `bench` subcommand and this --suite?"
+                 " is the filter right?)")
     records = parse_records(proc.stdout.splitlines())
     if not records:
         sys.exit("compare_torch: qkv bench printed no impl == \"qkv\" records")
@@ -89,18 +107,32 @@ def window_mask(torch: Any, nq: int, nk: int, causal: bool, left: int, right: in
     return mask
 
 
+def median_seconds(run: Any, repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls of run() after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
-    """Median seconds of torch SDPA on the shape of one qkv bench record."""
+    """Median seconds of torch SDPA (forward, or backward for suite "backward" records)
+    on the shape of one qkv bench record."""
     torch.set_num_threads(threads)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[rec["dtype"]]
     b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
+    backward = rec.get("suite") == "backward"
     gen = torch.Generator().manual_seed(20240501)
 
-    def make(n: int, h: int) -> Any:  # uniform [-1, 1), laid out [B, N, H, D] like qkv's inputs
+    def make(n: int, h: int) -> Any:  # uniform [-1, 1), a [B, N, H, D] tensor like qkv's inputs
         x = torch.rand(b, n, h, d, generator=gen) * 2 - 1
-        return x.to(dtype).transpose(1, 2)
+        return x.to(dtype).requires_grad_(backward)
 
-    q, k, v = make(nq, hq), make(nk, hkv), make(nk, hkv)
+    leaves = make(nq, hq), make(nk, hkv), make(nk, hkv)
+    q, k, v = (x.transpose(1, 2) for x in leaves)  # [B, H, N, D] views
     causal = bool(rec["causal"])
     left, right = rec.get("window", [-1, -1])
     kwargs: dict[str, Any] = {}
@@ -111,22 +143,22 @@ def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> f
     elif causal:
         kwargs["is_causal"] = True
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    times = []
-    with torch.inference_mode():
-        sdpa(q, k, v, **kwargs)  # warm-up
-        for _ in range(repeats):
-            start = time.perf_counter()
-            sdpa(q, k, v, **kwargs)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    if not backward:
+        with torch.inference_mode():
+            return median_seconds(lambda: sdpa(q, k, v, **kwargs), repeats)
+    out = sdpa(q, k, v, **kwargs)  # recorded once; every timed run reuses the graph
+    dout = make(nq, hq).detach().transpose(1, 2)
+    return median_seconds(
+        lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), repeats)
 
 
 def self_test(torch: Any, threads: int, repeats: int) -> None:
     """Checks the JSON parsing and the window mask, then times one small torch case."""
     recs = parse_records(['{"suite":"probe","peak_gflops":100,"threads":2,"target":"AVX2"}',
                           SAMPLE_LINE, SAMPLE_LINE.replace('"impl":"qkv"', '"impl":"naive"'),
-                          "qkv bench: progress text"])
-    assert len(recs) == 1 and recs[0]["window"] == [256, 0] and recs[0]["Nq"] == 512, recs
+                          "qkv bench: progress text", SAMPLE_BACKWARD_LINE])
+    assert len(recs) == 2 and recs[0]["window"] == [256, 0] and recs[0]["Nq"] == 512, recs
+    assert recs[1]["suite"] == "backward" and recs[1]["causal"] is True, recs
     mask = window_mask(torch, 512, 512, True, 256, 0)
     assert mask.sum(1).tolist() == [min(i, 256) + 1 for i in range(512)]
     assert torch.equal(window_mask(torch, 4, 6, True, -1, -1),
@@ -138,18 +170,32 @@ def self_test(torch: Any, threads: int, repeats: int) -> None:
     want = scores.softmax(-1) @ v
     got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-    print("self-test: JSON parsing and window masks OK")
+    # The gradients that the backward timing asks for are those of the explicit softmax.
+    dout = torch.randn(1, 2, 40, 8)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=m)
+    got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2) / 8 ** 0.5).masked_fill(~m, float("-inf"))
+    want = torch.autograd.grad(scores.softmax(-1) @ leaves[2], leaves, dout)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5), (g - w).abs().max()
+    print("self-test: JSON parsing, window masks and gradients OK")
     rec = json.loads(SAMPLE_LINE) | {"name": "fwd/f32/B1/H16/N512/D64/full", "dtype": "f32",
                                      "causal": False, "window": [-1, -1]}
-    seconds = time_torch(torch, rec, threads, repeats)
-    print(f"self-test: torch {torch.__version__} SDPA {rec['name']}: {seconds * 1e3:.3f} ms "
-          f"(median of {repeats}, {threads} threads)")
+    backward_rec = rec | {"suite": "backward", "name": "bwd/f32/B1/H16/N512/D64/full"}
+    for r in (rec, backward_rec):
+        seconds = time_torch(torch, r, threads, repeats)
+        print(f"self-test: torch {torch.__version__} SDPA {r['name']}: {seconds * 1e3:.3f} ms "
+              f"(median of {repeats}, {threads} threads)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--qkv", type=Path, default=DEFAULT_QKV,
                         help=f"qkv binary (default: {DEFAULT_QKV.relative_to(REPO_ROOT)})")
+    parser.add_argument("--suite", choices=SUITES, default="forward",
+                        help="qkv bench suite: forward, backward or all (default: forward)")
     parser.add_argument("--filter", default=DEFAULT_FILTER,
                         help=f"case-name regex passed to qkv bench (default: {DEFAULT_FILTER!r})")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -157,7 +203,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (default: 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object per case")
     parser.add_argument("--self-test", action="store_true",
-                        help="check parsing and masks, time one small torch case; no qkv needed")
+                        help="check parsing, masks and gradients, time two small torch cases;"
+                        " no qkv needed")
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1:
         parser.error("--threads and --repeats must be positive")
@@ -171,7 +218,7 @@ def main() -> None:
         self_test(torch, args.threads, args.repeats)
         return
 
-    records = run_qkv(args.qkv, args.filter, args.threads, args.repeats)
+    records = run_qkv(args.qkv, args.suite, args.filter, args.threads, args.repeats)
     width = max(len(r["name"]) for r in records)
     if not args.json:
         print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} runs")

@@ -1,14 +1,16 @@
-// `qkv bench`, suite "forward": the fused kernel (qkv::attention_into with
-// Backend::fast) and the materialized baseline (bench_naive.hpp) on the same
-// inputs and thread count, timed as the median of repeated runs, with the FMA
-// peak probed in the same process (peak_probe.hpp) so ratios hold even when
-// absolute speeds drift between runs.
+// `qkv bench`: the fused kernels (qkv::attention_into with Backend::fast for
+// suite "forward", qkv::attention_backward_into for suite "backward") and the
+// materialized baselines (bench_naive.hpp) on the same inputs and thread
+// count, timed as the median of repeated runs, with the FMA peak probed in the
+// same process (peak_probe.hpp) so ratios hold even when absolute speeds drift
+// between runs.
 #include "bench.hpp"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -35,8 +37,11 @@ namespace {
 // inputs do not depend on which other cases the filter selects.
 constexpr std::uint32_t kSeed = 20240501;
 
+enum class Pass : std::uint8_t { forward, backward };
+
 struct Case {
   std::string name;
+  Pass pass = Pass::forward;
   DType dtype = DType::f32;
   std::int64_t b = 1, hq = 16, hkv = 16, nq = 0, nk = 0, d = 0;
   bool causal = false;
@@ -44,14 +49,25 @@ struct Case {
   bool naive = true;  // false where the baseline's Nq x Nk scores do not fit in memory
 };
 
-// The forward suite. Names are stable: results are compared across runs by name.
-std::vector<Case> forward_cases() {
+// A sequence length divided by --shrink (at least 1).
+std::int64_t shrunk(std::int64_t n, int shrink) { return std::max<std::int64_t>(1, n / shrink); }
+
+std::string shape_name(std::string_view pass, DType dtype, std::int64_t b, std::int64_t h,
+                       std::int64_t n, std::int64_t d) {
+  return std::string(pass) + "/" + std::string(dtype_name(dtype)) + "/B" + std::to_string(b) +
+         "/H" + std::to_string(h) + "/N" + std::to_string(n) + "/D" + std::to_string(d);
+}
+
+// The forward suite. Names are stable: results are compared across runs by
+// name. Names show the sequence lengths after --shrink.
+std::vector<Case> forward_cases(int shrink) {
   std::vector<Case> cases;
   for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
     const std::string prefix = "fwd/" + std::string(dtype_name(dtype)) + "/B1/H16/";
-    for (const std::int64_t n : {512, 2048, 8192}) {
+    for (const std::int64_t full_n : {512, 2048, 8192}) {
+      const std::int64_t n = shrunk(full_n, shrink);
       for (const std::int64_t d : {64, 128}) {
-        const std::string shape = prefix + "N" + std::to_string(n) + "/D" + std::to_string(d);
+        const std::string shape = shape_name("fwd", dtype, 1, 16, n, d);
         Case c{.name = shape + "/full", .dtype = dtype, .nq = n, .nk = n, .d = d};
         cases.push_back(c);
         c.name = shape + "/causal";
@@ -64,16 +80,55 @@ std::vector<Case> forward_cases() {
         cases.push_back(c);
       }
     }
+    const std::int64_t nq = shrunk(77, shrink), nk = shrunk(4096, shrink);
     cases.push_back(
-        {.name = prefix + "Nq77/Nk4096/D64/cross", .dtype = dtype, .nq = 77, .nk = 4096, .d = 64});
+        {.name = prefix + "Nq" + std::to_string(nq) + "/Nk" + std::to_string(nk) + "/D64/cross",
+         .dtype = dtype,
+         .nq = nq,
+         .nk = nk,
+         .d = 64});
   }
   // 64K tokens in one head: the fused kernel's O(N) memory where the baseline
   // would need 16 GiB of scores.
-  cases.push_back({.name = "fwd/f32/B1/H1/N65536/D64/full",
+  const std::int64_t n = shrunk(65536, shrink);
+  cases.push_back({.name = shape_name("fwd", DType::f32, 1, 1, n, 64) + "/full",
                    .hq = 1,
                    .hkv = 1,
-                   .nq = 65536,
-                   .nk = 65536,
+                   .nq = n,
+                   .nk = n,
+                   .d = 64,
+                   .naive = false});
+  return cases;
+}
+
+// The backward suite: the gradients of full and causal attention.
+std::vector<Case> backward_cases(int shrink) {
+  std::vector<Case> cases;
+  const std::int64_t n = shrunk(2048, shrink);
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const std::int64_t d : {64, 128}) {
+      const std::string shape = shape_name("bwd", dtype, 1, 16, n, d);
+      Case c{.name = shape + "/full",
+             .pass = Pass::backward,
+             .dtype = dtype,
+             .nq = n,
+             .nk = n,
+             .d = d};
+      cases.push_back(c);
+      c.name = shape + "/causal";
+      c.causal = true;
+      cases.push_back(c);
+    }
+  }
+  // 32K tokens in one head: the fused backward's O(N) memory where the
+  // baseline would need 8 GiB of probabilities and their gradients.
+  const std::int64_t long_n = shrunk(32768, shrink);
+  cases.push_back({.name = shape_name("bwd", DType::f32, 1, 1, long_n, 64) + "/full",
+                   .pass = Pass::backward,
+                   .hq = 1,
+                   .hkv = 1,
+                   .nq = long_n,
+                   .nk = long_n,
                    .d = 64,
                    .naive = false});
   return cases;
@@ -183,18 +238,19 @@ std::string json_line(const Row& r, const PeakProbe& peak, int threads, const ch
   char text[1024];
   std::snprintf(
       text, sizeof text,
-      "{\"suite\":\"forward\",\"name\":\"%s\",\"impl\":\"%.*s\",\"dtype\":\"%.*s\","
+      "{\"suite\":\"%s\",\"name\":\"%s\",\"impl\":\"%.*s\",\"dtype\":\"%.*s\","
       "\"B\":%lld,\"Hq\":%lld,\"Hkv\":%lld,\"Nq\":%lld,\"Nk\":%lld,\"D\":%lld,"
       "\"causal\":%s,\"window\":[%lld,%lld],\"threads\":%d,\"seconds\":%.6g,"
       "\"gflops\":%.6g,\"peak_gflops\":%.6g,\"fraction_of_peak\":%.4g,"
       "\"extra_bytes\":%lld,\"target\":\"%s\"}",
-      c.name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
-      static_cast<int>(dtype_name(c.dtype).size()), dtype_name(c.dtype).data(),
-      static_cast<long long>(c.b), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
-      static_cast<long long>(c.nq), static_cast<long long>(c.nk), static_cast<long long>(c.d),
-      c.causal ? "true" : "false", static_cast<long long>(c.window_left),
-      static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops, peak.gflops,
-      r.gflops / peak.gflops, static_cast<long long>(r.timing.extra_bytes), target);
+      c.pass == Pass::forward ? "forward" : "backward", c.name.c_str(),
+      static_cast<int>(r.impl.size()), r.impl.data(), static_cast<int>(dtype_name(c.dtype).size()),
+      dtype_name(c.dtype).data(), static_cast<long long>(c.b), static_cast<long long>(c.hq),
+      static_cast<long long>(c.hkv), static_cast<long long>(c.nq), static_cast<long long>(c.nk),
+      static_cast<long long>(c.d), c.causal ? "true" : "false",
+      static_cast<long long>(c.window_left), static_cast<long long>(c.window_right), threads,
+      r.timing.seconds, r.gflops, peak.gflops, r.gflops / peak.gflops,
+      static_cast<long long>(r.timing.extra_bytes), target);
   return text;
 }
 
@@ -214,12 +270,50 @@ std::string table_header(int name_width) {
   return text;
 }
 
+std::vector<Case> suite_cases(const BenchOptions& options) {
+  if (options.shrink < 1) {
+    throw Error("bench: --shrink must be at least 1, got " + std::to_string(options.shrink));
+  }
+  if (options.suite == "forward") return forward_cases(options.shrink);
+  if (options.suite == "backward") return backward_cases(options.shrink);
+  if (options.suite == "all") {
+    std::vector<Case> cases = forward_cases(options.shrink);
+    for (Case& c : backward_cases(options.shrink)) cases.push_back(std::move(c));
+    return cases;
+  }
+  throw Error("bench: --suite must be forward, backward or all, got '" + options.suite + "'");
+}
+
+// One implementation of a case and how to run it.
+struct Impl {
+  std::string_view name;
+  std::function<void()> run;
+};
+
+// max |naive - qkv| / max |qkv| over the elements of one output.
+double relative_difference(ConstTensorView qkv, ConstTensorView naive) {
+  const Tensor a = to_dtype(qkv, DType::f64), b = to_dtype(naive, DType::f64);
+  const double* x = a.data<double>();
+  const double* y = b.data<double>();
+  double max_diff = 0.0, max_abs = 0.0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    // std::max would drop a NaN difference; the comparison below keeps it.
+    const double diff = std::abs(x[i] - y[i]);
+    if (!(diff <= max_diff)) max_diff = diff;
+    max_abs = std::max(max_abs, std::abs(x[i]));
+  }
+  return max_diff / std::max(max_abs, 1e-30);
+}
+
+// The --check bound on relative_difference: loose enough for a different
+// summation order and, in bf16 and f16, for the two implementations rounding
+// an output element to neighbouring values (one ulp: 2^-7 and 2^-10 of it),
+// yet a wrong scale, mask or operand fails it.
+double check_bound(DType dtype) { return dtype == DType::f32 ? 1e-3 : 3e-2; }
+
 }  // namespace
 
 int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options) {
-  if (options.suite != "forward") {
-    throw Error("bench: --suite must be forward, got '" + options.suite + "'");
-  }
   std::regex filter;
   try {
     filter.assign(options.filter);
@@ -228,7 +322,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                 "' is not a regular expression: " + e.what());
   }
   std::vector<Case> cases;
-  for (Case& c : forward_cases()) {
+  for (Case& c : suite_cases(options)) {
     if (std::regex_search(c.name, filter)) cases.push_back(std::move(c));
   }
   if (cases.empty()) {
@@ -274,6 +368,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
   }
 
   int run = 0;
+  bool checks_passed = true;
   for (const Case& c : cases) {
     std::mt19937 rng(kSeed);
     const Tensor q = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
@@ -281,29 +376,84 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
     const Tensor v = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
     Tensor o(c.dtype, {c.b, c.nq, c.hq, c.d});
     const AttentionOptions attention_options = options_of(c);
-    // The naive baseline is credited with the same useful flops.
-    const double flops = 4.0 * static_cast<double>(c.b * c.hq * c.d) *
+    // 4 flops per unmasked pair, head and head dimension forward, 2.5 times
+    // that backward. The naive baselines are credited with the same useful
+    // flops.
+    const double flops = (c.pass == Pass::forward ? 4.0 : 10.0) *
+                         static_cast<double>(c.b * c.hq * c.d) *
                          static_cast<double>(unmasked_pairs(c.nq, c.nk, attention_options));
 
-    std::vector<std::pair<std::string_view, std::function<void()>>> impls = {
-        {"qkv", [&] { attention_into(q, k, v, {.out = o}, attention_options); }}};
-    if (c.naive) {
-      impls.emplace_back("naive",
-                         [&] { naive_attention(q, k, v, o, attention_options, options.threads); });
+    // Backward: the forward's lse, dout and the gradients. Every tensor is
+    // allocated (and touched: Tensor zero-fills) before measure() opens its
+    // memory window, so extra_bytes counts scratch only.
+    Tensor lse, dout, dq, dk, dv;
+    std::vector<Impl> impls;
+    std::vector<std::pair<std::string_view, TensorView>> outputs;  // compared under --check
+    if (c.pass == Pass::forward) {
+      impls.push_back({"qkv", [&] { attention_into(q, k, v, {.out = o}, attention_options); }});
+      if (c.naive) {
+        impls.push_back(
+            {"naive", [&] { naive_attention(q, k, v, o, attention_options, options.threads); }});
+      }
+      outputs = {{"out", o}};
+    } else {
+      lse = Tensor(DType::f32, {c.b, c.hq, c.nq});
+      attention_into(q, k, v, {.out = o, .lse = lse}, attention_options);
+      dout = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
+      dq = Tensor(c.dtype, {c.b, c.nq, c.hq, c.d});
+      dk = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
+      dv = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
+      impls.push_back({"qkv", [&] {
+                         attention_backward_into(q, k, v, o, dout, lse,
+                                                 {.dq = dq, .dk = dk, .dv = dv}, attention_options);
+                       }});
+      if (c.naive) {
+        impls.push_back({"naive", [&] {
+                           naive_attention_backward(q, k, v, o, dout, lse, dq, dk, dv,
+                                                    attention_options, options.threads);
+                         }});
+      }
+      outputs = {{"dq", dq}, {"dk", dk}, {"dv", dv}};
     }
-    for (const auto& [impl, fn] : impls) {
+
+    // qkv's outputs, copied after its runs when --check compares them with
+    // the baseline's (outside the baseline's memory window).
+    std::vector<Tensor> qkv_outputs;
+    for (const Impl& impl : impls) {
       ++run;
       progress << (options.live_progress ? "\r" : "") << "[" << run << "/" << runs << "] " << c.name
-               << " " << impl << " ..." << (options.live_progress ? "\033[K" : "\n") << std::flush;
-      const Timing timing = measure(fn, options.repeats);
-      const Row row{&c, impl, timing, flops / timing.seconds / 1e9};
+               << " " << impl.name << " ..." << (options.live_progress ? "\033[K" : "\n")
+               << std::flush;
+      const Timing timing = measure(impl.run, options.repeats);
+      const Row row{&c, impl.name, timing, flops / timing.seconds / 1e9};
       if (options.live_progress) progress << "\r\033[K" << std::flush;
       out << (options.json ? json_line(row, peak, options.threads, target)
                            : table_line(row, peak, name_width))
           << std::endl;
+      if (!options.check || !c.naive) continue;
+      if (impl.name == "qkv") {
+        for (const auto& [name, view] : outputs) qkv_outputs.push_back(to_dtype(view, c.dtype));
+        continue;
+      }
+      // The baseline has run last: compare it with qkv.
+      const double bound = check_bound(c.dtype);
+      std::string report = "check " + c.name + ": max |naive - qkv| / max |qkv|:";
+      bool passed = true;
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        const double difference = relative_difference(qkv_outputs[i], outputs[i].second);
+        passed = passed && difference <= bound;
+        char text[64];
+        std::snprintf(text, sizeof text, " %.*s %.2e", static_cast<int>(outputs[i].first.size()),
+                      outputs[i].first.data(), difference);
+        report += text;
+      }
+      char text[64];
+      std::snprintf(text, sizeof text, " (bound %.0e): %s", bound, passed ? "ok" : "FAILED");
+      progress << report << text << std::endl;
+      checks_passed = checks_passed && passed;
     }
   }
-  return 0;
+  return checks_passed ? 0 : 3;
 }
 
 }  // namespace qkv::tools

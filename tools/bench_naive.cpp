@@ -1,5 +1,5 @@
-// The materialized baseline of `qkv bench`: what attention costs without a
-// fused kernel, built from a tuned sgemm (OpenBLAS) and a vectorized exp, so
+// The materialized baselines of `qkv bench`: what attention and its gradients
+// cost without a fused kernel, built from a tuned sgemm (OpenBLAS) and a vectorized exp, so
 // that the comparison measures the fusion and not a slow GEMM.
 #include "bench_naive.hpp"
 
@@ -96,6 +96,28 @@ Matrix head_f32(ConstTensorView t, std::int64_t b, std::int64_t h, float* buffer
   }
 }
 
+// Rounds the f32 matrix `src` [N, D] (leading dimension D) into head h of
+// batch entry b of t [B, N, H, D].
+void store_head(const float* src, TensorView t, std::int64_t b, std::int64_t h) {
+  const auto bytes = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  auto* dst = static_cast<std::byte*>(t.data()) + (b * t.stride(0) + h * t.stride(2)) * bytes;
+  const std::int64_t d = t.size(3);
+  for (std::int64_t i = 0; i < t.size(1); ++i) {
+    cpu::store_row(src + i * d, d, dst + i * t.stride(1) * bytes, t.dtype());
+  }
+}
+
+void check_dtype(const char* function, DType dtype) {
+  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) {
+    throw Error(std::string(function) + ": dtype must be f32, bf16 or f16, got " +
+                std::string(dtype_name(dtype)));
+  }
+}
+
+float scale_of(const AttentionOptions& options, std::int64_t d) {
+  return static_cast<float>(options.scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
+}
+
 }  // namespace
 
 KeyRange keys_of_row(std::int64_t i, std::int64_t nq, std::int64_t nk,
@@ -120,15 +142,11 @@ std::int64_t unmasked_pairs(std::int64_t nq, std::int64_t nk, const AttentionOpt
 void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
                      const AttentionOptions& options, int threads) {
   const DType dtype = q.dtype();
-  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) {
-    throw Error("naive_attention: dtype must be f32, bf16 or f16, got " +
-                std::string(dtype_name(dtype)));
-  }
+  check_dtype("naive_attention", dtype);
   const std::int64_t batch = q.size(0), nq = q.size(1), hq = q.size(2), d = q.size(3);
   const std::int64_t nk = k.size(1), group = hq / k.size(2);
-  const auto scale = static_cast<float>(options.scale.value_or(1.0 / std::sqrt(double(d))));
+  const float scale = scale_of(options, d);
   const bool in_place = dtype == DType::f32;  // f32 heads are read where they lie
-  const std::int64_t out_bytes = static_cast<std::int64_t>(dtype_size(dtype));
 #pragma omp parallel num_threads(threads)
   {
     // Per thread: S [nq, nk] (the memory a fused kernel avoids), O [nq, d],
@@ -153,13 +171,97 @@ void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, Te
                   vm.ld, 0.0f, o.data(), d);
       // Normalizing O's D columns rather than P's Nk columns: the usual
       // shortcut, equal up to rounding.
-      auto* dst =
-          static_cast<std::byte*>(out.data()) + (b * out.stride(0) + h * out.stride(2)) * out_bytes;
       for (std::int64_t i = 0; i < nq; ++i) {
         float* row = o.data() + i * d;
         for (std::int64_t c = 0; c < d; ++c) row[c] *= inv_sum[i];
-        cpu::store_row(row, d, dst + i * out.stride(1) * out_bytes, dtype);
       }
+      store_head(o.data(), out, b, h);
+    }
+  }
+}
+
+void naive_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                              ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+                              TensorView dq, TensorView dk, TensorView dv,
+                              const AttentionOptions& options, int threads) {
+  const DType dtype = q.dtype();
+  check_dtype("naive_attention_backward", dtype);
+  const std::int64_t batch = q.size(0), nq = q.size(1), hq = q.size(2), d = q.size(3);
+  const std::int64_t nk = k.size(1), hkv = k.size(2), group = hq / hkv;
+  const float scale = scale_of(options, d);
+  const bool in_place = dtype == DType::f32;  // f32 heads are read where they lie
+  const auto* lse_data = static_cast<const float*>(lse.data());
+  // One KV head per work item, so that dK and dV are summed over its query
+  // heads by one thread, in head order.
+#pragma omp parallel num_threads(threads)
+  {
+    // Per thread: P and dP (then dS) [nq, nk] (the memory a fused kernel
+    // avoids), dQ [nq, d], the sums dK and dV [nk, d], rowsum(dO * O) [nq],
+    // and the heads widened to f32 unless f32.
+    const auto p = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(nq * nk));
+    const auto ds = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(nq * nk));
+    std::vector<float> dq32(static_cast<std::size_t>(nq * d)),
+        row_dot(static_cast<std::size_t>(nq));
+    std::vector<float> dk32(static_cast<std::size_t>(nk * d)),
+        dv32(static_cast<std::size_t>(nk * d));
+    const auto widened = [&](std::int64_t rows) {
+      return std::vector<float>(in_place ? 0 : static_cast<std::size_t>(rows * d));
+    };
+    std::vector<float> q32 = widened(nq), o32 = widened(nq), do32 = widened(nq);
+    std::vector<float> k32 = widened(nk), v32 = widened(nk);
+#pragma omp for schedule(static)
+    for (std::int64_t bh = 0; bh < batch * hkv; ++bh) {
+      const std::int64_t b = bh / hkv, g = bh % hkv;
+      const Matrix km = head_f32(k, b, g, k32.data());
+      const Matrix vm = head_f32(v, b, g, v32.data());
+      for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const Matrix qm = head_f32(q, b, h, q32.data());
+        const Matrix om = head_f32(out, b, h, o32.data());
+        const Matrix dom = head_f32(dout, b, h, do32.data());
+        // The first query head of the KV head overwrites dK and dV, the
+        // others add to them.
+        const float beta = h == g * group ? 0.0f : 1.0f;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, d, scale, qm.data, qm.ld,
+                    km.data, km.ld, 0.0f, p.get(), nk);
+        const float* lse_row = lse_data + b * lse.stride(0) + h * lse.stride(1);
+        for (std::int64_t i = 0; i < nq; ++i) {
+          float* row = p.get() + i * nk;
+          const KeyRange keys = keys_of_row(i, nq, nk, options);
+          const float lse_i = lse_row[i * lse.stride(2)];
+          // A row with no admitted key (lse = -inf) has P = 0.
+          if (lse_i == kNegInf || keys.begin >= keys.end) {
+            std::fill(row, row + nk, 0.0f);
+            continue;
+          }
+          std::fill(row, row + keys.begin, 0.0f);
+          std::fill(row + keys.end, row + nk, 0.0f);
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) row[j] -= lse_i;
+          cpu::exp_row(row + keys.begin, keys.end - keys.begin, row + keys.begin);
+        }
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, d, nq, 1.0f, p.get(), nk, dom.data,
+                    dom.ld, beta, dv32.data(), d);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, d, 1.0f, dom.data, dom.ld,
+                    vm.data, vm.ld, 0.0f, ds.get(), nk);
+        for (std::int64_t i = 0; i < nq; ++i) {
+          float dot = 0.0f;
+          for (std::int64_t c = 0; c < d; ++c) {
+            dot += dom.data[i * dom.ld + c] * om.data[i * om.ld + c];
+          }
+          row_dot[i] = dot;
+        }
+        for (std::int64_t i = 0; i < nq; ++i) {
+          const float* p_row = p.get() + i * nk;
+          float* ds_row = ds.get() + i * nk;
+          for (std::int64_t j = 0; j < nk; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_dot[i]);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, nk, scale, ds.get(), nk,
+                    km.data, km.ld, 0.0f, dq32.data(), d);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, d, nq, scale, ds.get(), nk,
+                    qm.data, qm.ld, beta, dk32.data(), d);
+        store_head(dq32.data(), dq, b, h);
+      }
+      store_head(dk32.data(), dk, b, g);
+      store_head(dv32.data(), dv, b, g);
     }
   }
 }

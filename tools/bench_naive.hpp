@@ -1,5 +1,6 @@
-// The materialized attention baseline of `qkv bench`, and the causal/window
-// key ranges that both it and the benchmark's FLOP count use.
+// The materialized attention baselines of `qkv bench` (forward and backward),
+// and the causal/window key ranges that both they and the benchmark's FLOP
+// count use.
 #pragma once
 
 #include <cstdint>
@@ -29,5 +30,26 @@ std::int64_t unmasked_pairs(std::int64_t nq, std::int64_t nk, const AttentionOpt
 // stride in D. Honours options.scale, causal, window_left/right and align.
 void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
                      const AttentionOptions& options, int threads);
+
+// The gradients of qkv/backward.hpp the way a framework without a fused
+// kernel computes them: per KV head on `threads` OpenMP threads, for each
+// query head reading it, the head is widened to f32 and
+//   S  = scale Q K^T                  sgemm, [Nq, Nk]
+//   P  = exp(S - lse), 0 where masked  (lse from the forward, not recomputed)
+//   dV += P^T dO                      sgemm
+//   dP = dO V^T                       sgemm, [Nq, Nk]
+//   dS = P * (dP - rowsum(dO * O))
+//   dQ = scale dS K                   sgemm
+//   dK += scale dS^T Q                sgemm
+// with dK and dV summed in f32 over the query heads of the KV head and then
+// rounded into dk and dv; dQ is rounded into dq. Scratch: 2 Nq * Nk floats
+// per thread (P and dP / dS). q, out, dout, dq [B, Nq, Hq, D]; k, v, dk, dv
+// [B, Nk, Hkv, D]; all of one dtype (f32, bf16 or f16) with unit stride in D;
+// lse f32 [B, Hq, Nq]. Honours options.scale, causal, window_left/right and
+// align; no dropout.
+void naive_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                              ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+                              TensorView dq, TensorView dk, TensorView dv,
+                              const AttentionOptions& options, int threads);
 
 }  // namespace qkv::tools

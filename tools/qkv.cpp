@@ -29,17 +29,20 @@ int main(int argc, char** argv) {
 
   CLI::App* bench = app.add_subcommand("bench", "Measure attention speed against the FMA peak");
   bench->footer(
-      "Times the fused kernel (impl qkv) and a materialized sgemm + softmax\n"
-      "baseline (impl naive) on each case: one warm-up run, then the median of\n"
-      "--repeats runs. GFLOP/s count 4 flops per unmasked (query, key) pair and\n"
-      "head dimension; the FMA peak is probed in the same run with the same\n"
-      "threads. Extra MB is the peak resident memory growth during a case.\n"
-      "Progress goes to stderr; results to stdout. Exits 1 if no case matches.");
+      "Times the fused kernels (impl qkv) and materialized sgemm + softmax\n"
+      "baselines (impl naive) on each case: one warm-up run, then the median of\n"
+      "--repeats runs. Suite backward times the gradients alone (the forward's\n"
+      "out and lse are computed beforehand). GFLOP/s count 4 flops per unmasked\n"
+      "(query, key) pair and head dimension forward, 10 backward; the FMA peak\n"
+      "is probed in the same run with the same threads. Extra MB is the peak\n"
+      "resident memory growth during a case, beyond its inputs and outputs.\n"
+      "Progress goes to stderr; results to stdout. Exits 1 if no case matches,\n"
+      "3 if --check fails.");
   qkv::tools::BenchOptions bench_options;
   const CLI::Range positive(1, std::numeric_limits<int>::max());
   bench_options.threads = omp_get_max_threads();
   bench->add_option("--suite", bench_options.suite, "Benchmark suite")
-      ->check(CLI::IsMember({"forward"}))
+      ->check(CLI::IsMember({"forward", "backward", "all"}))
       ->capture_default_str();
   bench->add_option("--filter", bench_options.filter,
                     "Run only the cases whose name matches this\n"
@@ -54,6 +57,15 @@ int main(int argc, char** argv) {
       ->check(positive)
       ->capture_default_str();
   bench->add_flag("--list", bench_options.list, "Print the names of the selected cases and exit");
+  bench->add_flag("--check", bench_options.check,
+                  "Also compare the baseline's outputs with qkv's\n"
+                  "(max |naive - qkv| / max |qkv|, on stderr)");
+  bench
+      ->add_option("--shrink", bench_options.shrink,
+                   "Divide every sequence length by this, for quick\n"
+                   "runs (case names show the sizes run)")
+      ->check(positive)
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   try {
