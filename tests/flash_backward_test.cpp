@@ -296,6 +296,18 @@ TEST_P(FlashBackwardSweep, StridedViews) {
   EXPECT_EQ(max_abs_diff(dv.view().transpose(1, 2), contiguous.dv), 0.0);
 }
 
+// A task's query tiles beyond the per-thread budget (16 MiB) take the path
+// that packs them at every step: 8 query heads on one KV head of D = 256 give
+// 65 tiles of 8 positions, 263 KB each.
+TEST_P(FlashBackwardSweep, QueryTilesPackedPerStep) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(1, 520, 70, 8, 1, 256, 256, dtype, 61);
+  AttentionOptions o;
+  o.causal = true;
+  o.align = qkv::Align::top_left;
+  expect_backward_matches(x.q, x.k, x.v, o, "tiles packed per step");
+}
+
 INSTANTIATE_TEST_SUITE_P(FlashBackward, FlashBackwardSweep,
                          ::testing::Values(DType::f32, DType::bf16, DType::f16),
                          [](const auto& p) { return std::string(qkv::dtype_name(p.param)); });

@@ -27,12 +27,46 @@ namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// One thread's backward buffers besides the forward's Scratch (whose q holds
-// the scaled Q^T panels, s the scores then P^T, m the lse and l the D of the
-// tile's rows). Shapes (NR = PanelWidth() = ValueWidth()):
-//   q_cols   Q as column panels [dk_pad / NR][rows_pad][NR] (unscaled)
+// Per-thread budget for a task's packed query tiles (TileCache).
+constexpr std::int64_t kTileCacheBytes = std::int64_t{16} << 20;
+
+// Everything a (key block, query tile) step reads from the tile's query
+// rows, packed (NR = PanelWidth() = ValueWidth()):
+//   q_t      Q^T panels [rows_pad / NR][Dq][NR], scaled
+//   q_cols   Q as column panels [dk_pad / NR][rows_pad][NR], unscaled
 //   do_t     dO^T panels [rows_pad / NR][Dv][NR]
 //   do_cols  dO as column panels [dv_pad / NR][rows_pad][NR]
+//   lse, d   per row: the forward's lse (-inf for padding) and D = <dout, out>
+struct QueryTile {
+  float* q_t;
+  float* q_cols;
+  float* do_t;
+  float* do_cols;
+  float* lse;
+  float* d;
+};
+
+// Floats of one packed QueryTile.
+inline std::int64_t QueryTileFloats(const TileShape& t, std::int64_t dk_pad) {
+  return t.rows_pad * (t.dk + dk_pad + 2 * t.dv_pad + 2);
+}
+
+// Carves a QueryTile out of `base` (QueryTileFloats floats).
+inline QueryTile QueryTileAt(float* base, const TileShape& t, std::int64_t dk_pad) {
+  QueryTile q;
+  q.q_t = base;
+  q.q_cols = q.q_t + t.rows_pad * t.dk;
+  q.do_t = q.q_cols + t.rows_pad * dk_pad;
+  q.do_cols = q.do_t + t.rows_pad * t.dv_pad;
+  q.lse = q.do_cols + t.rows_pad * t.dv_pad;
+  q.d = q.lse + t.rows_pad;
+  return q;
+}
+
+// One thread's backward buffers besides the forward's Scratch (whose s holds
+// the scores, then P^T). Shapes:
+//   tile     one QueryTile, packed per step when the task's do not fit the cache
+//   cache    a task's QueryTiles, one per unit, packed once (when they fit)
 //   dp       dP^T, then dS^T [keys][rows_pad]
 //   pd       dropout: P^T with the mask and 1 / (1 - p) applied [keys][rows_pad]
 //   raw      softcap: S^T before the cap [keys][rows_pad]
@@ -44,9 +78,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 //   pack_row  staging row for packing K as column panels
 struct BackwardScratch {
   BackwardScratch(const TileShape& t, std::int64_t dk_pad)
-      : q_cols(Scratch::Alloc(dk_pad * t.rows_pad)),
-        do_t(Scratch::Alloc(t.rows_pad * t.dv_pad)),
-        do_cols(Scratch::Alloc(t.dv_pad * t.rows_pad)),
+      : tile(Scratch::Alloc(QueryTileFloats(t, dk_pad))),
         dp(Scratch::Alloc(t.keys * t.rows_pad + 64)),
         pd(Scratch::Alloc(t.keys * t.rows_pad)),
         raw(Scratch::Alloc(t.keys * t.rows_pad)),
@@ -60,8 +92,10 @@ struct BackwardScratch {
         dout_row(Scratch::Alloc(t.dv_pad)),
         pack_row(Scratch::Alloc(std::max({dk_pad, t.dv_pad, t.dk}))) {}
 
-  hwy::AlignedFreeUniquePtr<float[]> q_cols, do_t, do_cols, dp, pd, raw, k_rows, k_cols, v_rows, dk,
-      dv, dq, out_row, dout_row, pack_row;
+  hwy::AlignedFreeUniquePtr<float[]> tile, dp, pd, raw, k_rows, k_cols, v_rows, dk, dv, dq, out_row,
+      dout_row, pack_row;
+  hwy::AlignedFreeUniquePtr<float[]> cache;
+  std::int64_t cache_capacity = 0;  // floats
 };
 
 // Rows of the tile from `t` ([B, N, H, width]): as transposed panels
@@ -91,21 +125,20 @@ inline void PackTile(ConstTensorView t, const Unit& u, const UnitGeometry& g, st
   }
 }
 
-// Packs everything a tile needs from its query rows: Q^T (scaled) and Q
-// panels, dO^T and dO panels, and per row lse (-inf for padding, so its
-// P is 0) and D = <dout, out>.
+// Packs everything a tile needs from its query rows into `dst`: Q^T (scaled)
+// and Q panels, dO^T and dO panels, and per row lse (-inf for padding, so
+// its P is 0) and D = <dout, out>.
 inline void PrepareTile(const BackwardPlan& bp, const Unit& u, const UnitGeometry& g,
-                        const TileShape& shape, Scratch& sc, BackwardScratch& b) {
+                        const TileShape& shape, const QueryTile& dst, BackwardScratch& b) {
   const FlashPlan& plan = *bp.plan;
   const detail::AttentionProblem& p = *plan.problem;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(p.scale), sc.q.get(), b.q_cols.get(),
+  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(p.scale), dst.q_t, dst.q_cols,
            b.pack_row.get());
-  PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, b.do_t.get(), b.do_cols.get(),
-           b.pack_row.get());
-  float* lse = sc.m.get();
-  float* dsum = sc.l.get();
+  PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, dst.do_t, dst.do_cols, b.pack_row.get());
+  float* lse = dst.lse;
+  float* dsum = dst.d;
   std::fill_n(lse, shape.rows_pad, kNegInf);
   std::fill_n(dsum, shape.rows_pad, 0.0f);
   const ConstTensorView lse_view = bp.args.lse;
@@ -183,8 +216,9 @@ inline void AccumulateBiasGradient(const FlashPlan& plan, const Unit& u, const U
 // chunk's dQ buffer. Keys [j0, j0 + cols) lie `off` keys into the block.
 inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const Unit& u,
                          const UnitGeometry& g, const TileShape& shape, std::int64_t dk_pad,
-                         std::int64_t j0, std::int64_t cols, std::int64_t off, bool range_partial,
-                         bool mask_partial, Scratch& sc, BackwardScratch& b, double* bias_partial) {
+                         const QueryTile& tile, std::int64_t j0, std::int64_t cols,
+                         std::int64_t off, bool range_partial, bool mask_partial, Scratch& sc,
+                         BackwardScratch& b, double* bias_partial) {
   const FlashPlan& plan = *bp.plan;
   const AttentionOptions& o = *plan.options;
   const detail::AttentionProblem& p = *plan.problem;
@@ -198,20 +232,19 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   if (range_partial) BlockKeySpans(plan, u, g, j0, cols, sc);
   const KeySpan* panel_keys = range_partial ? sc.panel_keys.data() : nullptr;
   const KeySpan* row_keys = range_partial ? sc.row_keys.data() : nullptr;
-  PrepareTile(bp, u, g, shape, sc, b);
 
   float* s = sc.s.get();
   float* dp = b.dp.get();
-  ScoresTransposed(b.k_rows.get() + off * p.dk, p.dk, cols, p.dk, sc.q.get(), rows, rows_pad,
+  ScoresTransposed(b.k_rows.get() + off * p.dk, p.dk, cols, p.dk, tile.q_t, rows, rows_pad,
                    panel_keys, s);
   if (o.softcap > 0.0) std::copy_n(s, cols * rows_pad, b.raw.get());
   ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_partial, s, rows_pad);
-  ScoresTransposed(b.v_rows.get() + off * shape.dv_pad, shape.dv_pad, cols, p.dv, b.do_t.get(),
-                   rows, rows_pad, panel_keys, dp);
+  ScoresTransposed(b.v_rows.get() + off * shape.dv_pad, shape.dv_pad, cols, p.dv, tile.do_t, rows,
+                   rows_pad, panel_keys, dp);
 
   // P = exp(S - lse): 0 for masked keys and for rows without any key.
-  const float* lse = sc.m.get();
-  const float* dsum = sc.l.get();
+  const float* lse = tile.lse;
+  const float* dsum = tile.d;
   for (std::int64_t r = 0; r < rows_used; r += lanes) {
     const auto v_lse = hn::Load(d, lse + r);
     const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
@@ -247,9 +280,9 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
     }
   }
 
-  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, b.do_cols.get(),
-                       shape.dv_pad, b.dv.get() + off * shape.dv_pad, shape.dv_pad);
-  AccumulateTransposed(dp, rows_pad, rows, cols, b.q_cols.get(), dk_pad, b.dk.get() + off * dk_pad,
+  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, tile.do_cols, shape.dv_pad,
+                       b.dv.get() + off * shape.dv_pad, shape.dv_pad);
+  AccumulateTransposed(dp, rows_pad, rows, cols, tile.q_cols, dk_pad, b.dk.get() + off * dk_pad,
                        dk_pad);
   float* dq = b.dq.get();
   std::fill_n(dq, rows_pad * dk_pad, 0.0f);
@@ -281,6 +314,23 @@ inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
   const Unit& first = plan.units[static_cast<std::size_t>(task.unit_begin)];
   const UnitGeometry head = GeometryOf(plan, first);
   const GradientOutputs& grads = bp.args.grads;
+  // Every key block of the task meets the same query tiles: pack them once
+  // when they fit the per-thread budget, else once per step.
+  const std::int64_t tile_floats = QueryTileFloats(shape, dk_pad);
+  const std::int64_t cached_floats = (task.unit_end - task.unit_begin) * tile_floats;
+  const bool cached = cached_floats * static_cast<std::int64_t>(sizeof(float)) <= kTileCacheBytes;
+  if (cached) {
+    if (cached_floats > b.cache_capacity) {
+      b.cache = Scratch::Alloc(cached_floats);
+      b.cache_capacity = cached_floats;
+    }
+    for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {
+      const Unit& u = plan.units[static_cast<std::size_t>(ui)];
+      PrepareTile(bp, u, GeometryOf(plan, u), shape,
+                  QueryTileAt(b.cache.get() + (ui - task.unit_begin) * tile_floats, shape, dk_pad),
+                  b);
+    }
+  }
   for (std::int64_t kb = task.block_begin; kb < task.block_end; ++kb) {
     const std::int64_t kj0 = kb * bk;
     const std::int64_t kcols = std::min(bk, head.seq.nk_rows - kj0);
@@ -301,7 +351,14 @@ inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
       const std::int64_t cols = std::min({kj0 + kcols, span.last.hi}) - j0;
       if (cols <= 0) continue;
       const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-      BackwardTile(bp, task, u, g, shape, dk_pad, j0, cols, j0 - kj0, range_partial,
+      QueryTile tile;
+      if (cached) {
+        tile = QueryTileAt(b.cache.get() + (ui - task.unit_begin) * tile_floats, shape, dk_pad);
+      } else {
+        tile = QueryTileAt(b.tile.get(), shape, dk_pad);
+        PrepareTile(bp, u, g, shape, tile, b);
+      }
+      BackwardTile(bp, task, u, g, shape, dk_pad, tile, j0, cols, j0 - kj0, range_partial,
                    mask_class == BlockClass::partial, sc, b, bias_partial);
     }
     const auto scale = static_cast<float>(p.scale);
