@@ -1,0 +1,161 @@
+// Bad input to qkv::attention_backward and attention_backward_into: each row
+// starts from a valid call, breaks one thing, and checks that qkv::Error names
+// the argument and the problem. (The checks shared with the forward, on q, k,
+// v and the options, are covered by validation_test.cpp.)
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "qkv/qkv.hpp"
+
+namespace {
+
+using qkv::DType;
+using qkv::Tensor;
+
+// The valid base case: q [2, 5, 4, 8], k and v [2, 7, 2, 8] (GQA), out and
+// dout [2, 5, 4, 8], lse [2, 4, 5], gradients in their own buffers.
+struct Call {
+  Tensor q{DType::f32, {2, 5, 4, 8}}, k{DType::f32, {2, 7, 2, 8}}, v{DType::f32, {2, 7, 2, 8}};
+  Tensor out{DType::f32, {2, 5, 4, 8}}, dout{DType::f32, {2, 5, 4, 8}};
+  Tensor lse{DType::f32, {2, 4, 5}};
+  Tensor dq{DType::f32, {2, 5, 4, 8}}, dk{DType::f32, {2, 7, 2, 8}}, dv{DType::f32, {2, 7, 2, 8}};
+  Tensor table{DType::f32, {4, 8}}, d_table{DType::f32, {4, 8}};
+  qkv::GradientOutputs grads() { return {dq, dk, dv}; }
+  qkv::AttentionOptions options;
+  bool into = true;
+  qkv::GradientOutputs custom;
+  bool use_custom = false;
+
+  void run() {
+    if (!into) {
+      qkv::attention_backward(q, k, v, out, dout, lse, options);
+      return;
+    }
+    qkv::attention_backward_into(q, k, v, out, dout, lse, use_custom ? custom : grads(), options);
+  }
+};
+
+struct Row {
+  std::string name;
+  std::function<void(Call&)> breaks;
+  std::vector<std::string> message;  // substrings the error must contain
+};
+
+std::string error_of(Call& c) {
+  try {
+    c.run();
+  } catch (const qkv::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const std::vector<Row>& rows() {
+  static const std::vector<Row> table = {
+      {"out shape",
+       [](Call& c) {
+         c.out = Tensor(DType::f32, {2, 5, 4, 9});
+       },
+       {"out: expected sizes [2, 5, 4, 8], got [2, 5, 4, 9]"}},
+      {"dout dtype",
+       [](Call& c) {
+         c.dout = Tensor(DType::bf16, {2, 5, 4, 8});
+       },
+       {"dout: expected dtype f32, got bf16"}},
+      {"lse shape",
+       [](Call& c) {
+         c.lse = Tensor(DType::f32, {2, 5, 4});
+       },
+       {"lse: expected sizes [2, 4, 5], got [2, 5, 4]"}},
+      {"lse missing", [](Call& c) { c.lse = Tensor(); }, {"lse: required tensor is undefined"}},
+      {"score_mod",
+       [](Call& c) {
+         c.options.score_mod = [](double s, std::int64_t, std::int64_t, std::int64_t,
+                                  std::int64_t) { return s; };
+       },
+       {"options.score_mod", "cannot differentiate"}},
+      {"dropout_p",
+       [](Call& c) { c.options.dropout_p = 1.0; },
+       {"options.dropout_p: expected a probability in [0, 1), got 1"}},
+      {"dq shape",
+       [](Call& c) {
+         c.use_custom = true;
+         c.custom = {c.dk, c.dk, c.dv};
+       },
+       {"dq: expected sizes [2, 5, 4, 8], got [2, 7, 2, 8]"}},
+      {"dv missing",
+       [](Call& c) {
+         c.use_custom = true;
+         c.custom = {c.dq, c.dk, {}};
+       },
+       {"dv: required because the options use v"}},
+      {"dk overlaps dq",
+       [](Call& c) {
+         c.use_custom = true;
+         // [2, 7, 2, 8] over dq's 320 floats.
+         c.custom = {c.dq, qkv::TensorView(c.dq.data<float>(), {2, 7, 2, 8}), c.dv};
+       },
+       {"dk: memory overlaps dq"}},
+      {"dq overlaps q",
+       [](Call& c) {
+         c.use_custom = true;
+         c.custom = {c.q, c.dk, c.dv};
+       },
+       {"dq: memory overlaps q"}},
+      {"relative bias gradient missing",
+       [](Call& c) { c.options.relative_bias.table = c.table; },
+       {"d_relative_bias: required because the options use relative_bias.table"}},
+      {"relative bias gradient not used",
+       [](Call& c) {
+         c.use_custom = true;
+         c.custom = {c.dq, c.dk, c.dv, c.d_table};
+       },
+       {"d_relative_bias: given, but the options have no relative_bias.table"}},
+      {"fast additive",
+       [](Call& c) {
+         static Tensor w{DType::f32, {3, 8}}, va{DType::f32, {3}};
+         c.options.score = qkv::Score::additive;
+         c.options.additive = {w, w, va, {}};
+         c.options.backend = qkv::Backend::fast;
+         c.into = false;
+       },
+       {"options.backend: Backend::fast has no backward for Score::additive"}},
+  };
+  return table;
+}
+
+class BackwardValidation : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(BackwardValidation, ThrowsErrorNamingTheProblem) {
+  const Row& row = rows()[GetParam()];
+  Call c;
+  row.breaks(c);
+  const std::string message = error_of(c);
+  ASSERT_FALSE(message.empty()) << row.name << ": no qkv::Error";
+  for (const std::string& part : row.message) {
+    EXPECT_NE(message.find(part), std::string::npos)
+        << row.name << ": expected \"" << part << "\" in\n"
+        << message;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Rows, BackwardValidation, ::testing::Range<std::size_t>(0, rows().size()),
+                         [](const auto& row_info) {
+                           std::string name = rows()[row_info.param].name;
+                           for (char& ch : name)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return name;
+                         });
+
+TEST(BackwardValidation, BaseCaseIsValid) {
+  Call c;
+  EXPECT_EQ(error_of(c), "");
+  c.into = false;
+  EXPECT_EQ(error_of(c), "");
+}
+
+}  // namespace
