@@ -143,7 +143,7 @@ struct SweepCase {
   std::int64_t nq, nk, hq, hkv, d;
 };
 
-// Sizes around tile (64 rows, 128 keys) and vector boundaries, and the head
+// Sizes around tile (64 rows, 256 keys) and vector boundaries, and the head
 // dims DESIGN.md lists.
 const SweepCase kSweep[] = {
     {1, 1, 1, 1, 1},     {1, 300, 8, 1, 64},   {17, 17, 2, 2, 8},    {17, 97, 4, 2, 59},

@@ -126,7 +126,7 @@ std::int64_t env_size(const char* name, std::int64_t fallback) {
 
 FlashConfig flash_backward_config() {
   static const FlashConfig config = [] {
-    FlashConfig c{64, 128};
+    FlashConfig c{64, 256};
     c.rows = env_size("QKV_FLASH_BWD_ROWS", c.rows);
     c.keys = env_size("QKV_FLASH_BWD_KEYS", c.keys);
     return c;

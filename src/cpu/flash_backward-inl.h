@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/flash-inl.h"
 #include "hwy/highway.h"
@@ -73,6 +74,7 @@ inline QueryTile QueryTileAt(float* base, const TileShape& t, std::int64_t dk_pa
 //   k_rows   K block [keys][Dk];  k_cols  K as column panels [dk_pad / NR][keys][NR]
 //   v_rows   V block [keys][Dv]
 //   dk, dv   the block's accumulators [keys][dk_pad], [keys][dv_pad]
+//   strip_rows  per strip of keys, the rows that see it (StripRows)
 //   dq       the tile's dQ [rows_pad][dk_pad]
 //   out_row, dout_row   one row of out / dout as f32
 //   pack_row  staging row for packing K as column panels
@@ -90,10 +92,12 @@ struct BackwardScratch {
         dq(Scratch::Alloc(t.rows_pad * dk_pad)),
         out_row(Scratch::Alloc(t.dv_pad)),
         dout_row(Scratch::Alloc(t.dv_pad)),
-        pack_row(Scratch::Alloc(std::max({dk_pad, t.dv_pad, t.dk}))) {}
+        pack_row(Scratch::Alloc(std::max({dk_pad, t.dv_pad, t.dk}))),
+        strip_rows(static_cast<std::size_t>(t.keys / kValueStrip + 1)) {}
 
   hwy::AlignedFreeUniquePtr<float[]> tile, dp, pd, raw, k_rows, k_cols, v_rows, dk, dv, dq, out_row,
       dout_row, pack_row;
+  std::vector<KeySpan> strip_rows;
   hwy::AlignedFreeUniquePtr<float[]> cache;
   std::int64_t cache_capacity = 0;  // floats
 };
@@ -280,10 +284,15 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
     }
   }
 
-  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, tile.do_cols, shape.dv_pad,
-                       b.dv.get() + off * shape.dv_pad, shape.dv_pad);
-  AccumulateTransposed(dp, rows_pad, rows, cols, tile.q_cols, dk_pad, b.dk.get() + off * dk_pad,
-                       dk_pad);
+  const KeySpan* strip_rows = nullptr;
+  if (row_keys != nullptr) {
+    StripRows(row_keys, rows, cols, b.strip_rows.data());
+    strip_rows = b.strip_rows.data();
+  }
+  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, strip_rows, tile.do_cols,
+                       shape.dv_pad, b.dv.get() + off * shape.dv_pad, shape.dv_pad);
+  AccumulateTransposed(dp, rows_pad, rows, cols, strip_rows, tile.q_cols, dk_pad,
+                       b.dk.get() + off * dk_pad, dk_pad);
   float* dq = b.dq.get();
   std::fill_n(dq, rows_pad * dk_pad, 0.0f);
   AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),

@@ -150,21 +150,43 @@ inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pa
   }
 }
 
+// The rows that see any key of each strip of kValueStrip keys, from the
+// rows' key spans: strip_rows[s] = [min, max + 1) of the rows r with
+// row_keys[r] meeting keys [s * kValueStrip, (s + 1) * kValueStrip); empty
+// ({rows, 0}) if none. Rows in between that do not see a key have P = 0.
+inline void StripRows(const KeySpan* row_keys, std::int64_t rows, std::int64_t keys,
+                      KeySpan* strip_rows) {
+  const std::int64_t strips = (keys + kValueStrip - 1) / kValueStrip;
+  for (std::int64_t s = 0; s < strips; ++s) strip_rows[s] = {rows, 0};
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const KeySpan span = row_keys[r];
+    if (span.begin >= span.end) continue;
+    for (std::int64_t s = span.begin / kValueStrip; s <= (span.end - 1) / kValueStrip; ++s) {
+      strip_rows[s].begin = std::min(strip_rows[s].begin, r);
+      strip_rows[s].end = r + 1;
+    }
+  }
+}
+
 // C[keys][ldc] += A^T B for A^T[keys][rows_pad] (a product's left operand
 // stored transposed, like P^T) and B as column panels [d_pad / NR][rows_pad]
 // [NR]: the backward's dV += P^T dO and dK += dS^T Q, contracting over the
-// first `rows` rows. Column panels outer: a panel of B stays in L1 while the
-// key strips of A stream past.
+// first `rows` rows, or with `strip_rows` (StripRows) over the rows that see
+// each key strip. Column panels outer: a panel of B stays in L1 while the key
+// strips of A stream past.
 inline void AccumulateTransposed(const float* HWY_RESTRICT a_t, std::int64_t rows_pad,
-                                 std::int64_t rows, std::int64_t keys,
+                                 std::int64_t rows, std::int64_t keys, const KeySpan* strip_rows,
                                  const float* HWY_RESTRICT b_panels, std::int64_t d_pad,
                                  float* HWY_RESTRICT c, std::int64_t ldc) {
   const std::int64_t nr = ValueWidth();
   for (std::int64_t c0 = 0; c0 < d_pad; c0 += nr) {
     const float* panel = b_panels + (c0 / nr) * rows_pad * nr;
     for (std::int64_t j0 = 0; j0 < keys; j0 += kValueStrip) {
+      const KeySpan r = strip_rows != nullptr ? strip_rows[j0 / kValueStrip] : KeySpan{0, rows};
+      if (r.begin >= r.end) continue;
       WithStrip<kValueStrip>(keys - j0, [&](auto strip) {
-        Micro<strip(), kValueVecs, true>(a_t + j0 * rows_pad, rows_pad, 1, rows, panel, nr,
+        Micro<strip(), kValueVecs, true>(a_t + j0 * rows_pad + r.begin, rows_pad, 1,
+                                         r.end - r.begin, panel + r.begin * nr, nr,
                                          c + j0 * ldc + c0, ldc);
       });
     }
