@@ -352,12 +352,11 @@ void check_dropout(const AttentionOptions& o, const AttentionProblem& p, Reasons
   }
 }
 
-// An output view: defined, rank, sizes, dtype, backed, non-self-overlapping,
-// and disjoint from every input.
-void check_output(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
-                  DType dtype, std::span<const ConstTensorView> inputs,
-                  std::span<const char* const> input_names, Reasons& r) {
-  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return;
+// A view of known sizes and dtype: defined, rank, sizes, dtype, backed.
+// Returns whether later checks may look at its memory.
+bool check_input(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
+                 DType dtype, Reasons& r) {
+  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return false;
   bool ok = true;
   for (std::size_t d = 0; d < sizes.size(); ++d) ok = ok && t.size(static_cast<int>(d)) == sizes[d];
   if (!ok) {
@@ -367,6 +366,15 @@ void check_output(const char* name, ConstTensorView t, std::span<const std::int6
   if (t.dtype() != dtype) {
     r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
   }
+  return true;
+}
+
+// An output view: a valid input (check_input), non-self-overlapping, and
+// disjoint from every input.
+void check_output(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
+                  DType dtype, std::span<const ConstTensorView> inputs,
+                  std::span<const char* const> input_names, Reasons& r) {
+  if (!check_input(name, t, sizes, dtype, r)) return;
   if (const std::string reason = self_overlap_reason(t); !reason.empty()) {
     r.push_back(std::string(name) + ": " + reason);
   }
@@ -376,21 +384,6 @@ void check_output(const char* name, ConstTensorView t, std::span<const std::int6
       r.push_back(std::string(name) + ": memory overlaps " + input_names[i] +
                   " (outputs must not alias any input or other output)");
     }
-  }
-}
-
-// An input view of known sizes and dtype.
-void check_input(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
-                 DType dtype, Reasons& r) {
-  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return;
-  bool ok = true;
-  for (std::size_t d = 0; d < sizes.size(); ++d) ok = ok && t.size(static_cast<int>(d)) == sizes[d];
-  if (!ok) {
-    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
-                shape_of(t));
-  }
-  if (t.dtype() != dtype) {
-    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
   }
 }
 

@@ -621,12 +621,27 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   }
 }
 
+// P^T = exp(S^T - lse) in place for the first rows_used columns (queries)
+// and `cols` keys: 0 for masked keys (-inf) and for rows without any key
+// (lse = -inf).
+inline void ProbabilitiesFromLse(const float* HWY_RESTRICT lse, std::int64_t rows_used,
+                                 std::int64_t cols, float* HWY_RESTRICT s, std::int64_t rows_pad) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    const auto v_lse = hn::Load(d, lse + r);
+    const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
+    for (std::int64_t c = 0; c < cols; ++c) {
+      float* x = s + c * rows_pad + r;
+      hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
+    }
+  }
+}
+
 // Probabilities of one unit: P = exp(S - lse) per admitted key, 0 elsewhere.
 inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
                               const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
-  const hn::ScalableTag<float> d;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t rows_pad = shape.rows_pad;
   const TensorView probs = plan.probs;
   const TensorView lse = plan.lse;
@@ -650,27 +665,19 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
     }
   }
   const std::int64_t rows_used = RoundUp(g.rows(), PanelWidth());
-  ForEachOpenBlock(
-      plan, u, g, shape, cache, sc,
-      [&](std::int64_t j0, std::int64_t cols, const KeySpan* /*row_keys*/) {
-        float* s = sc.s.get();
-        for (std::int64_t r = 0; r < rows_used; r += lanes) {
-          // Fully masked rows (lse = -inf) keep probability 0.
-          const auto v_lse = hn::Load(d, row_lse + r);
-          const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
-          for (std::int64_t c = 0; c < cols; ++c) {
-            float* x = s + c * rows_pad + r;
-            hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
-          }
-        }
-        for (std::int64_t gi = 0; gi < g.group; ++gi) {
-          for (std::int64_t t = 0; t < g.positions; ++t) {
-            float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
-            const float* col = s + gi * g.positions + t;
-            for (std::int64_t c = 0; c < cols; ++c) prow[c * probs.stride(3)] = col[c * rows_pad];
-          }
-        }
-      });
+  ForEachOpenBlock(plan, u, g, shape, cache, sc,
+                   [&](std::int64_t j0, std::int64_t cols, const KeySpan* /*row_keys*/) {
+                     float* s = sc.s.get();
+                     ProbabilitiesFromLse(row_lse, rows_used, cols, s, rows_pad);
+                     for (std::int64_t gi = 0; gi < g.group; ++gi) {
+                       for (std::int64_t t = 0; t < g.positions; ++t) {
+                         float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
+                         const float* col = s + gi * g.positions + t;
+                         for (std::int64_t c = 0; c < cols; ++c)
+                           prow[c * probs.stride(3)] = col[c * rows_pad];
+                       }
+                     }
+                   });
 }
 
 // Packs the keys and values a task needs once, when they fit the per-thread

@@ -247,16 +247,8 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
                    rows_pad, panel_keys, dp);
 
   // P = exp(S - lse): 0 for masked keys and for rows without any key.
-  const float* lse = tile.lse;
+  ProbabilitiesFromLse(tile.lse, rows_used, cols, s, rows_pad);
   const float* dsum = tile.d;
-  for (std::int64_t r = 0; r < rows_used; r += lanes) {
-    const auto v_lse = hn::Load(d, lse + r);
-    const auto empty = hn::Eq(v_lse, hn::Set(d, kNegInf));
-    for (std::int64_t c = 0; c < cols; ++c) {
-      float* x = s + c * rows_pad + r;
-      hn::Store(hn::IfThenZeroElse(empty, FastExp(d, hn::Sub(hn::Load(d, x), v_lse))), d, x);
-    }
-  }
   const bool dropout = o.dropout_p > 0.0;
   if (dropout) DropoutTile(plan, u, g, j0, cols, rows_pad, s, dp, b.pd.get());
   // dS = P (dP - D), exactly 0 where P is (whatever dP holds there).
