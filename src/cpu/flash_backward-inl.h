@@ -289,15 +289,17 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   std::fill_n(dq, rows_pad * dk_pad, 0.0f);
   AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
                    bk * ValueWidth(), dk_pad, dq, dk_pad);
-  // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout.
+  // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout;
+  // the columns up to Dq rounded to the vector, which both rows have.
   float* partial = bp.dq_partial + task.chunk * p.batch * p.nq * p.hq * bp.dq_ld;
+  const std::int64_t dq_used = RoundUp(p.dq, lanes);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t h = u.hkv * g.group + gi;
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t row = (g.seq.batch * p.nq + g.seq.q_begin + u.i0 + t) * p.hq + h;
       float* dst = partial + row * bp.dq_ld;
       const float* src = dq + (gi * g.positions + t) * dk_pad;
-      for (std::int64_t c = 0; c < bp.dq_ld; c += lanes) {
+      for (std::int64_t c = 0; c < dq_used; c += lanes) {
         hn::Store(hn::Add(hn::Load(d, dst + c), hn::Load(d, src + c)), d, dst + c);
       }
     }
