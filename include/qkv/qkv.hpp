@@ -17,8 +17,10 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
+#include "qkv/decode.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
 #include "qkv/flex.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/tensor.hpp"

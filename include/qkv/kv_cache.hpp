@@ -1,0 +1,106 @@
+// qkv/kv_cache.hpp — a key/value cache for autoregressive decoding.
+//
+// One cache per layer holds, for each of B sequences, the keys and values of
+// its tokens so far: per token and KV head, Dk key and Dv value elements,
+// stored in f32, bf16 or f16 (16-bit storage halves the bytes decoding
+// reads; the kernels widen to f32 exactly). Sequences grow independently.
+//
+// Two layouts:
+//   contiguous (page_size == 0): each sequence owns `capacity` token slots,
+//     K storage [B, capacity, Hkv, Dk] and V [B, capacity, Hkv, Dv];
+//   paged (page_size > 0, as vLLM and FlashAttention's flash_attn_with_kvcache):
+//     a pool of `num_pages` pages of page_size tokens ([page_size, Hkv, D]
+//     each); a sequence's block table lists its pages in order, pages are
+//     taken from the pool as it grows and returned by release().
+// Token t of sequence b lives in page t / page_size of b's block table, row
+// t % page_size (contiguous: one page of `capacity` tokens per sequence).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+// Rotary position embedding (RoPE, Su et al. 2021) of a head vector x at
+// position p: pairs (x_a, x_b) rotate by angle p * base^(-2i / rotary_dim)
+// for pair i; half-split pairs (i, i + rotary_dim / 2) (GPT-NeoX, Llama) or
+// interleaved pairs (2i, 2i + 1) (GPT-J, the original paper). Elements past
+// rotary_dim are left alone.
+struct RopeConfig {
+  double base = 10000.0;        // frequency base (> 1)
+  bool interleaved = false;     // pairs (2i, 2i + 1) instead of (i, i + rotary_dim / 2)
+  std::int64_t rotary_dim = 0;  // leading elements rotated (even); 0 = the whole head
+};
+
+// Rotates x [B, n, H, D] in place: row t of sequence b sits at position
+// start_positions[b] + t (start_positions has B entries). Computed in double,
+// rounded once to x's dtype (f32, f64, f16, bf16). Throws qkv::Error on bad
+// shapes or configuration.
+void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
+                const RopeConfig& rope);
+
+// Shape and storage of a KvCache.
+struct KvCacheConfig {
+  std::int64_t batch = 1;      // B: sequences
+  std::int64_t kv_heads = 1;   // Hkv
+  std::int64_t head_dim = 0;   // Dk (>= 1)
+  std::int64_t value_dim = 0;  // Dv; 0 = head_dim
+  std::int64_t capacity = 0;   // most tokens a sequence may hold (>= 1)
+  DType dtype = DType::f32;    // storage: f32, bf16 or f16
+  std::int64_t page_size = 0;  // 0 = contiguous; else tokens per page (paged)
+  std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * ceil(capacity / page_size)
+};
+
+class KvCache {
+ public:
+  // Allocates the storage (zeroed); throws qkv::Error on a bad config.
+  explicit KvCache(const KvCacheConfig& config);
+
+  const KvCacheConfig& config() const { return config_; }
+  bool paged() const { return config_.page_size > 0; }
+  std::int64_t value_dim() const;
+  // Tokens per page (contiguous: capacity).
+  std::int64_t page_size() const;
+  // Tokens stored in sequence b, and all B lengths.
+  std::int64_t length(std::int64_t b) const;
+  std::span<const std::int64_t> lengths() const { return lengths_; }
+  // Pages not owned by any sequence (contiguous: 0).
+  std::int64_t free_pages() const;
+
+  // Appends tokens to every sequence: k_new [B, n, Hkv, Dk], v_new
+  // [B, n, Hkv, Dv] in any floating dtype (rounded once to the storage's),
+  // the first counts[b] rows to sequence b (counts empty: all n). With
+  // `rope`, keys are rotated at their positions (length(b) + t) on the way
+  // in; the inputs are not modified. Throws qkv::Error, changing nothing,
+  // if shapes or dtypes are wrong, a count is out of [0, n], a sequence
+  // would exceed `capacity`, or the pool has too few free pages.
+  void append(ConstTensorView k_new, ConstTensorView v_new,
+              std::span<const std::int64_t> counts = {}, const RopeConfig* rope = nullptr);
+  // Appends k_new [n, Hkv, Dk], v_new [n, Hkv, Dv] to sequence b alone;
+  // throws qkv::Error, changing nothing, for an unknown b or as above.
+  void append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v_new,
+                 const RopeConfig* rope = nullptr);
+  // Empties sequence b (the sequence ended); paged: returns its pages.
+  void release(std::int64_t b);
+
+  // Kernel access. Page `index` of sequence b's block table (index <
+  // ceil(length(b) / page_size)): keys [page_size, Hkv, Dk] and values
+  // [page_size, Hkv, Dv], contiguous, in the storage dtype.
+  const void* key_page(std::int64_t b, std::int64_t index) const;
+  const void* value_page(std::int64_t b, std::int64_t index) const;
+  // Sequence b's block table: pool page of each of its pages (contiguous: {b}).
+  std::span<const std::int64_t> block_table(std::int64_t b) const;
+
+ private:
+  KvCacheConfig config_;
+  std::vector<std::int64_t> lengths_;              // [B]
+  std::vector<std::vector<std::int64_t>> tables_;  // [B][pages of b]
+  std::vector<std::int64_t> free_;                 // pool pages not in use
+  Tensor keys_;                                    // [pages, page_size, Hkv, Dk]
+  Tensor values_;                                  // [pages, page_size, Hkv, Dv]
+};
+
+}  // namespace qkv

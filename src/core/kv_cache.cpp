@@ -1,0 +1,638 @@
+// The key/value cache and rotary position embedding. Every mutating call
+// validates all of its input, the room needed in the cache included, before
+// it writes anything, so a call that throws leaves the cache as it was.
+#include "qkv/kv_cache.hpp"
+
+#include <algorithm>
+#include <cassert>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/elements.hpp"
+
+namespace qkv {
+namespace {
+
+using Reasons = std::vector<std::string>;
+using std::to_string;
+
+std::string str(DType d) { return std::string(dtype_name(d)); }
+
+// Shortest text that reads back as `x` (std::to_string would print 1e-9 as
+// "0.000000").
+std::string num(double x) {
+  char text[32];
+  return {text, std::to_chars(text, text + sizeof text, x).ptr};
+}
+
+void throw_if(const Reasons& r) {
+  if (!r.empty()) throw Error(r);
+}
+
+// ---- element conversion ----------------------------------------------------
+
+template <class T>
+double widen(T x) {
+  if constexpr (std::is_same_v<T, f16> || std::is_same_v<T, bf16>) {
+    return to_float(x);
+  } else {
+    return static_cast<double>(x);
+  }
+}
+
+// Rounds once (RNE) to T.
+template <class T>
+T narrow(double x) {
+  if constexpr (std::is_same_v<T, f16>) {
+    return to_f16(x);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// Row kernels over n elements, chosen once per call so that the element loops
+// carry no dtype switch: copy (src strided, dst contiguous), load into double
+// and store from double (dst strided).
+using CopyRow = void (*)(const void* src, std::int64_t stride, void* dst, std::int64_t n);
+using LoadRow = void (*)(const void* src, std::int64_t stride, double* out, std::int64_t n);
+using StoreRow = void (*)(const double* in, void* dst, std::int64_t stride, std::int64_t n);
+
+template <class S, class D>
+void copy_row(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
+  const auto* s = static_cast<const S*>(src);
+  auto* d = static_cast<D*>(dst);
+  for (std::int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<S, D>) {
+      d[i] = s[i * stride];  // already in the storage format: nothing to round
+    } else {
+      d[i] = narrow<D>(widen(s[i * stride]));
+    }
+  }
+}
+
+template <class T>
+void load_row(const void* src, std::int64_t stride, double* out, std::int64_t n) {
+  const auto* s = static_cast<const T*>(src);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = widen(s[i * stride]);
+}
+
+template <class T>
+void store_row(const double* in, void* dst, std::int64_t stride, std::int64_t n) {
+  auto* d = static_cast<T*>(dst);
+  for (std::int64_t i = 0; i < n; ++i) d[i * stride] = narrow<T>(in[i]);
+}
+
+template <class T>
+struct Type {
+  using type = T;
+};
+
+// Calls f(Type<T>{}) for the element type T of a floating dtype (validation
+// has ruled out bool before any of these run).
+template <class F>
+decltype(auto) visit_floating(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f64:
+      return f(Type<double>{});
+    case DType::f16:
+      return f(Type<f16>{});
+    case DType::bf16:
+      return f(Type<bf16>{});
+    default:
+      return f(Type<float>{});
+  }
+}
+
+CopyRow copy_row_for(DType src, DType dst) {
+  return visit_floating(src, [&](auto s) {
+    return visit_floating(dst, [&](auto d) -> CopyRow {
+      return &copy_row<typename decltype(s)::type, typename decltype(d)::type>;
+    });
+  });
+}
+
+LoadRow load_row_for(DType dtype) {
+  return visit_floating(dtype,
+                        [](auto t) -> LoadRow { return &load_row<typename decltype(t)::type>; });
+}
+
+StoreRow store_row_for(DType dtype) {
+  return visit_floating(dtype,
+                        [](auto t) -> StoreRow { return &store_row<typename decltype(t)::type>; });
+}
+
+const std::byte* at(const void* data, DType dtype, std::int64_t offset) {
+  return static_cast<const std::byte*>(data) +
+         offset * static_cast<std::int64_t>(dtype_size(dtype));
+}
+std::byte* at(void* data, DType dtype, std::int64_t offset) {
+  return static_cast<std::byte*>(data) + offset * static_cast<std::int64_t>(dtype_size(dtype));
+}
+
+// ---- RoPE ------------------------------------------------------------------
+
+std::int64_t resolved_rotary_dim(const RopeConfig& rope, std::int64_t head_dim) {
+  return rope.rotary_dim == 0 ? head_dim : rope.rotary_dim;
+}
+
+// `dim` names the rotated head dimension in messages ("D", "Dk"); head_dim < 0
+// when it is unknown (the tensor is malformed), which leaves only the checks
+// that do not depend on it.
+void check_rope(const RopeConfig& rope, std::int64_t head_dim, const char* dim, Reasons& r) {
+  if (!(rope.base > 1.0) || !std::isfinite(rope.base)) {
+    r.push_back("rope.base: expected a finite frequency base > 1, got " + num(rope.base));
+  }
+  if (head_dim < 0) {
+    if (rope.rotary_dim < 0 || rope.rotary_dim % 2 != 0) {
+      r.push_back("rope.rotary_dim: expected an even number >= 0 (0 = the whole head), got " +
+                  to_string(rope.rotary_dim));
+    }
+    return;
+  }
+  const std::string d = std::string(dim) + " = " + to_string(head_dim);
+  if (rope.rotary_dim < 0 || rope.rotary_dim > head_dim || rope.rotary_dim % 2 != 0) {
+    r.push_back("rope.rotary_dim: expected an even number in [0, " + d +
+                "] (0 = the whole head), got " + to_string(rope.rotary_dim));
+  } else if (rope.rotary_dim == 0 && head_dim % 2 != 0) {
+    r.push_back("rope.rotary_dim: 0 rotates the whole head, which needs an even head dim, got " +
+                d + " (rotate an even number of leading elements instead)");
+  }
+}
+
+// The rotation of one position, applied to head vectors held in double.
+class Rotation {
+ public:
+  Rotation(const RopeConfig& rope, std::int64_t head_dim)
+      : half_(resolved_rotary_dim(rope, head_dim) / 2),
+        interleaved_(rope.interleaved),
+        inv_freq_(static_cast<std::size_t>(half_)),
+        cos_(inv_freq_.size()),
+        sin_(inv_freq_.size()) {
+    const auto rotary_dim = static_cast<double>(2 * half_);
+    for (std::int64_t i = 0; i < half_; ++i) {
+      inv_freq_[i] = std::pow(rope.base, -static_cast<double>(2 * i) / rotary_dim);
+    }
+  }
+
+  std::int64_t rotary_dim() const { return 2 * half_; }
+
+  void set_position(std::int64_t position) {
+    for (std::int64_t i = 0; i < half_; ++i) {
+      const double angle = static_cast<double>(position) * inv_freq_[i];
+      cos_[i] = std::cos(angle);
+      sin_[i] = std::sin(angle);
+    }
+  }
+
+  // Rotates the first rotary_dim() elements of x by the current position.
+  void rotate(double* x) const {
+    for (std::int64_t i = 0; i < half_; ++i) {
+      const std::int64_t ia = interleaved_ ? 2 * i : i;
+      const std::int64_t ib = interleaved_ ? 2 * i + 1 : i + half_;
+      const double a = x[ia];
+      const double b = x[ib];
+      x[ia] = a * cos_[i] - b * sin_[i];
+      x[ib] = a * sin_[i] + b * cos_[i];
+    }
+  }
+
+ private:
+  std::int64_t half_;
+  bool interleaved_;
+  std::vector<double> inv_freq_;   // [rotary_dim / 2]: base^(-2i / rotary_dim)
+  std::vector<double> cos_, sin_;  // [rotary_dim / 2] at the current position
+};
+
+// ---- argument checks -------------------------------------------------------
+
+// A tensor argument: defined, of the given rank, addressable, backed by memory
+// when it has elements, and floating. Returns whether its sizes may be read.
+bool check_view(const char* name, ConstTensorView t, int rank, const char* layout, Reasons& r) {
+  if (!t.defined()) {
+    r.push_back(std::string(name) + ": required tensor is undefined");
+    return false;
+  }
+  if (!is_floating(t.dtype())) {
+    r.push_back(std::string(name) + ": expected a floating dtype (f32, f64, f16 or bf16), got " +
+                str(t.dtype()));
+  }
+  if (t.rank() != rank) {
+    r.push_back(std::string(name) + ": expected rank " + to_string(rank) + " " + layout +
+                ", got rank " + to_string(t.rank()) + " with sizes " + shape_string(t.size_span()));
+    return false;
+  }
+  if (!detail::extent_fits(t)) {
+    r.push_back(std::string(name) + ": sizes " + shape_string(t.size_span()) + " with strides " +
+                shape_string(t.stride_span()) +
+                " overflow int64: the element count or the byte offset of the last element "
+                "exceeds 2^63 - 1");
+    return false;
+  }
+  if (t.data() == nullptr && t.numel() > 0) {
+    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
+                " elements (sizes " + shape_string(t.size_span()) + ")");
+  }
+  return true;
+}
+
+void check_sizes(const char* name, ConstTensorView t, std::span<const std::int64_t> expected,
+                 const char* layout, const std::string& source, Reasons& r) {
+  if (!std::equal(expected.begin(), expected.end(), t.size_span().begin())) {
+    r.push_back(std::string(name) + ": expected sizes " + layout + " = " + shape_string(expected) +
+                " (" + source + "), got " + shape_string(t.size_span()));
+  }
+}
+
+std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch) {
+  return std::string(op) + ": unknown sequence " + to_string(b) + " (batch is " + to_string(batch) +
+         ")";
+}
+
+// a * b * ... into `out`; false on int64 overflow.
+bool product(std::initializer_list<std::int64_t> factors, std::int64_t& out) {
+  out = 1;
+  for (std::int64_t f : factors) {
+    if (__builtin_mul_overflow(out, f, &out)) return false;
+  }
+  return true;
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
+
+}  // namespace
+
+void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
+                const RopeConfig& rope) {
+  Reasons r;
+  const bool x_ok = check_view("x", x, 4, "[B, n, H, D]", r);
+  if (x_ok) {
+    if (const std::string reason = detail::self_overlap_reason(x); !reason.empty()) {
+      r.push_back("x: " + reason + " (it is rotated in place)");
+    }
+    check_rope(rope, x.size(3), "D", r);
+    const std::int64_t batch = x.size(0);
+    const std::int64_t n = x.size(1);
+    if (static_cast<std::int64_t>(start_positions.size()) != batch) {
+      r.push_back("start_positions: expected one position per sequence (B = " + to_string(batch) +
+                  "), got " + to_string(start_positions.size()));
+    } else {
+      for (std::size_t b = 0; b < start_positions.size(); ++b) {
+        const std::int64_t p = start_positions[b];
+        if (p < 0) {
+          r.push_back("start_positions[" + to_string(b) + "]: expected a position >= 0, got " +
+                      to_string(p));
+        } else if (n > 0 && p > std::numeric_limits<std::int64_t>::max() - (n - 1)) {
+          r.push_back("start_positions[" + to_string(b) + "]: " + to_string(p) + " + " +
+                      to_string(n - 1) + " (its last row) overflows int64");
+        }
+      }
+    }
+  } else {
+    check_rope(rope, -1, "D", r);
+  }
+  throw_if(r);
+
+  Rotation rotation(rope, x.size(3));
+  const std::int64_t rotary_dim = rotation.rotary_dim();
+  const LoadRow load = load_row_for(x.dtype());
+  const StoreRow store = store_row_for(x.dtype());
+  std::vector<double> row(static_cast<std::size_t>(rotary_dim));
+  for (std::int64_t b = 0; b < x.size(0); ++b) {
+    for (std::int64_t t = 0; t < x.size(1); ++t) {
+      rotation.set_position(start_positions[b] + t);
+      for (std::int64_t h = 0; h < x.size(2); ++h) {
+        void* head = at(x.data(), x.dtype(), b * x.stride(0) + t * x.stride(1) + h * x.stride(2));
+        load(head, x.stride(3), row.data(), rotary_dim);
+        rotation.rotate(row.data());
+        store(row.data(), head, x.stride(3), rotary_dim);
+      }
+    }
+  }
+}
+
+namespace {
+
+// What a mutating call may touch, gathered so that the shared steps below can
+// work on a KvCache's private state.
+struct Pool {
+  std::int64_t capacity;
+  std::int64_t page_size;  // tokens per page (contiguous: capacity)
+  std::int64_t kv_heads, head_dim, value_dim;
+  std::vector<std::int64_t>& lengths;
+  std::vector<std::vector<std::int64_t>>& tables;
+  std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
+  TensorView keys, values;
+};
+
+// Whether every sequence has room for counts[b] more tokens, and the pool
+// enough free pages for all of them together.
+void check_room(const char* op, const Pool& pool, std::span<const std::int64_t> counts,
+                Reasons& r) {
+  std::int64_t pages_needed = 0;
+  for (std::size_t b = 0; b < counts.size(); ++b) {
+    const std::int64_t length = pool.lengths[b];
+    if (counts[b] > pool.capacity - length) {
+      // Unsigned: both terms are below 2^63, their sum may not be.
+      r.push_back(
+          std::string(op) + ": sequence " + to_string(b) + " would hold " +
+          to_string(static_cast<std::uint64_t>(length) + static_cast<std::uint64_t>(counts[b])) +
+          " tokens, more than capacity " + to_string(pool.capacity) + " (it holds " +
+          to_string(length) + ", " + to_string(counts[b]) + " appended)");
+      continue;
+    }
+    const auto held = static_cast<std::int64_t>(pool.tables[b].size());
+    pages_needed += std::max<std::int64_t>(0, ceil_div(length + counts[b], pool.page_size) - held);
+  }
+  const auto free_pages = static_cast<std::int64_t>(pool.free_list.size());
+  if (pages_needed > free_pages) {
+    r.push_back(std::string(op) + ": the pool has " + to_string(free_pages) + " free pages, " +
+                to_string(pages_needed) +
+                " needed (release finished sequences or configure more num_pages)");
+  }
+}
+
+// Appends rows [0, counts[b]) of k [B, n, Hkv, Dk] and v [B, n, Hkv, Dv] to
+// each sequence b, taking pages as sequences cross page boundaries. Runs only
+// after check_room passed; it cannot fail (the tables have their capacity
+// reserved), so a throwing call never gets here.
+void write(Pool& pool, ConstTensorView k, ConstTensorView v, std::span<const std::int64_t> counts,
+           const RopeConfig* rope) {
+  const DType storage = pool.keys.dtype();
+  const CopyRow copy_key = copy_row_for(k.dtype(), storage);
+  const CopyRow copy_value = copy_row_for(v.dtype(), storage);
+  const LoadRow load_key = load_row_for(k.dtype());
+  const StoreRow store_key = store_row_for(storage);
+  std::optional<Rotation> rotation;
+  if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
+  std::vector<double> row(rope != nullptr ? static_cast<std::size_t>(pool.head_dim) : 0);
+  const std::int64_t key_token = pool.kv_heads * pool.head_dim;  // elements per stored token
+  const std::int64_t value_token = pool.kv_heads * pool.value_dim;
+
+  for (std::size_t b = 0; b < counts.size(); ++b) {
+    std::vector<std::int64_t>& table = pool.tables[b];
+    for (std::int64_t t = 0; t < counts[b]; ++t) {
+      const std::int64_t position = pool.lengths[b] + t;
+      const std::int64_t index = position / pool.page_size;
+      if (index == static_cast<std::int64_t>(table.size())) {
+        assert(!pool.free_list.empty() && "check_room counted the pages");
+        std::pop_heap(pool.free_list.begin(), pool.free_list.end(), std::greater<>());
+        table.push_back(pool.free_list.back());
+        pool.free_list.pop_back();
+      }
+      const std::int64_t slot = table[index] * pool.page_size + position % pool.page_size;
+      std::byte* key_dst = at(pool.keys.data(), storage, slot * key_token);
+      std::byte* value_dst = at(pool.values.data(), storage, slot * value_token);
+      const auto bi = static_cast<std::int64_t>(b);
+      if (rotation) rotation->set_position(position);
+      for (std::int64_t h = 0; h < pool.kv_heads; ++h) {
+        const std::byte* key_src =
+            at(k.data(), k.dtype(), bi * k.stride(0) + t * k.stride(1) + h * k.stride(2));
+        void* key_head = at(key_dst, storage, h * pool.head_dim);
+        if (rotation) {
+          load_key(key_src, k.stride(3), row.data(), pool.head_dim);
+          rotation->rotate(row.data());
+          store_key(row.data(), key_head, 1, pool.head_dim);
+        } else {
+          copy_key(key_src, k.stride(3), key_head, pool.head_dim);
+        }
+        const std::byte* value_src =
+            at(v.data(), v.dtype(), bi * v.stride(0) + t * v.stride(1) + h * v.stride(2));
+        copy_value(value_src, v.stride(3), at(value_dst, storage, h * pool.value_dim),
+                   pool.value_dim);
+      }
+    }
+    pool.lengths[b] += counts[b];
+  }
+}
+
+}  // namespace
+
+KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
+  Reasons r;
+  const KvCacheConfig& c = config;
+  auto at_least = [&](const char* field, std::int64_t value, std::int64_t low, const char* note) {
+    if (value < low) {
+      r.push_back(std::string("config.") + field + ": expected >= " + to_string(low) + note +
+                  ", got " + to_string(value));
+    }
+  };
+  at_least("batch", c.batch, 1, "");
+  at_least("kv_heads", c.kv_heads, 1, "");
+  at_least("head_dim", c.head_dim, 1, "");
+  at_least("value_dim", c.value_dim, 0, " (0 = head_dim)");
+  at_least("capacity", c.capacity, 1, "");
+  at_least("page_size", c.page_size, 0, " (0 = contiguous)");
+  at_least("num_pages", c.num_pages, 0, " (0 = batch * ceil(capacity / page_size))");
+  if (c.page_size == 0 && c.num_pages != 0) {
+    r.push_back("config.num_pages: only used by the paged layout (page_size > 0), got " +
+                to_string(c.num_pages) + " with page_size 0 (contiguous)");
+  }
+  switch (c.dtype) {
+    case DType::f32:
+    case DType::bf16:
+    case DType::f16:
+      break;
+    case DType::f64:
+      r.push_back(
+          "config.dtype: expected f32, bf16 or f16 storage, got f64 (the decode kernels compute "
+          "in f32 and read f32, bf16 or f16 caches; append rounds f64 inputs to the storage)");
+      break;
+    case DType::boolean:
+      r.push_back(
+          "config.dtype: expected f32, bf16 or f16 storage, got bool (keys and values "
+          "are floating-point)");
+      break;
+    default:
+      r.push_back("config.dtype: expected f32, bf16 or f16 storage, got value " +
+                  to_string(static_cast<int>(c.dtype)));
+  }
+  throw_if(r);
+
+  const std::int64_t dv = value_dim();
+  const std::int64_t tokens = page_size();
+  // Pages one sequence may need at most; the pool size when not given.
+  const std::int64_t per_sequence = ceil_div(c.capacity, tokens);
+  std::int64_t pages = paged() ? c.num_pages : c.batch;
+  if (pages == 0 && !product({c.batch, per_sequence}, pages)) {
+    r.push_back("config.num_pages: the default batch * ceil(capacity / page_size) = " +
+                to_string(c.batch) + " * " + to_string(per_sequence) + " overflows int64");
+  }
+  const auto bytes = static_cast<std::int64_t>(dtype_size(c.dtype));
+  std::int64_t storage_bytes = 0;
+  if (r.empty() &&
+      !product({pages, tokens, c.kv_heads, std::max(c.head_dim, dv), bytes}, storage_bytes)) {
+    r.push_back("config: storage of " + to_string(pages) + " pages of " + to_string(tokens) +
+                " tokens x " + to_string(c.kv_heads) + " heads x " +
+                to_string(std::max(c.head_dim, dv)) + " elements of " + str(c.dtype) +
+                " exceeds 2^63 bytes");
+  }
+  throw_if(r);
+
+  keys_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, c.head_dim});
+  values_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, dv});
+  lengths_.assign(static_cast<std::size_t>(c.batch), 0);
+  tables_.resize(static_cast<std::size_t>(c.batch));
+  if (paged()) {
+    // Reserved now so that appending pages to a table never allocates (and so
+    // never throws) once an append has passed its checks.
+    for (auto& table : tables_) {
+      table.reserve(static_cast<std::size_t>(std::min(per_sequence, pages)));
+    }
+    // Ascending order is already a min-heap.
+    free_.resize(static_cast<std::size_t>(pages));
+    for (std::int64_t p = 0; p < pages; ++p) free_[p] = p;
+  } else {
+    for (std::int64_t b = 0; b < c.batch; ++b) tables_[b] = {b};
+  }
+}
+
+std::int64_t KvCache::value_dim() const {
+  return config_.value_dim == 0 ? config_.head_dim : config_.value_dim;
+}
+
+std::int64_t KvCache::page_size() const { return paged() ? config_.page_size : config_.capacity; }
+
+std::int64_t KvCache::length(std::int64_t b) const {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("length", b, config_.batch));
+  return lengths_[b];
+}
+
+std::int64_t KvCache::free_pages() const { return static_cast<std::int64_t>(free_.size()); }
+
+void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
+                     std::span<const std::int64_t> counts, const RopeConfig* rope) {
+  Reasons r;
+  const std::int64_t batch = config_.batch;
+  const std::int64_t hkv = config_.kv_heads;
+  const bool k_ok = check_view("k_new", k_new, 4, "[B, n, Hkv, Dk]", r);
+  const bool v_ok = check_view("v_new", v_new, 4, "[B, n, Hkv, Dv]", r);
+  // n is k_new's; v_new is held to it.
+  const bool n_known = k_ok || v_ok;
+  const std::int64_t n = k_ok ? k_new.size(1) : v_ok ? v_new.size(1) : 0;
+  const std::string source = "batch, kv_heads and head dims of the cache";
+  if (k_ok) {
+    const std::int64_t want[] = {batch, n, hkv, config_.head_dim};
+    check_sizes("k_new", k_new, want, "[B, n, Hkv, Dk]", source, r);
+  }
+  if (v_ok) {
+    const std::int64_t want[] = {batch, n, hkv, value_dim()};
+    check_sizes("v_new", v_new, want, "[B, n, Hkv, Dv]", source + (k_ok ? ", n of k_new" : ""), r);
+  }
+  if (rope != nullptr) check_rope(*rope, config_.head_dim, "Dk", r);
+  std::vector<std::int64_t> all;
+  bool counts_ok = n_known;
+  if (counts.empty()) {
+    all.assign(static_cast<std::size_t>(batch), n);
+    counts = all;
+  } else if (static_cast<std::int64_t>(counts.size()) != batch) {
+    r.push_back("counts: expected one count per sequence (B = " + to_string(batch) +
+                ") or none (all n rows), got " + to_string(counts.size()));
+    counts_ok = false;
+  } else if (n_known) {
+    for (std::size_t b = 0; b < counts.size(); ++b) {
+      if (counts[b] < 0 || counts[b] > n) {
+        r.push_back("counts[" + to_string(b) + "]: expected a count in [0, n = " + to_string(n) +
+                    "] (the rows of the inputs), got " + to_string(counts[b]));
+        counts_ok = false;
+      }
+    }
+  }
+  Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
+            tables_,          free_,       keys_, values_};
+  if (counts_ok) check_room("append", pool, counts, r);
+  throw_if(r);
+  write(pool, k_new, v_new, counts, rope);
+}
+
+void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v_new,
+                        const RopeConfig* rope) {
+  Reasons r;
+  const std::int64_t batch = config_.batch;
+  const std::int64_t hkv = config_.kv_heads;
+  const bool b_ok = b >= 0 && b < batch;
+  if (!b_ok) r.push_back(unknown_sequence("append_to", b, batch));
+  const bool k_ok = check_view("k_new", k_new, 3, "[n, Hkv, Dk]", r);
+  const bool v_ok = check_view("v_new", v_new, 3, "[n, Hkv, Dv]", r);
+  const std::int64_t n = k_ok ? k_new.size(0) : v_ok ? v_new.size(0) : 0;
+  const std::string source = "kv_heads and head dims of the cache";
+  if (k_ok) {
+    const std::int64_t want[] = {n, hkv, config_.head_dim};
+    check_sizes("k_new", k_new, want, "[n, Hkv, Dk]", source, r);
+  }
+  if (v_ok) {
+    const std::int64_t want[] = {n, hkv, value_dim()};
+    check_sizes("v_new", v_new, want, "[n, Hkv, Dv]", source + (k_ok ? ", n of k_new" : ""), r);
+  }
+  if (rope != nullptr) check_rope(*rope, config_.head_dim, "Dk", r);
+  // As a batch append in which only sequence b gets rows: the inputs repeat
+  // over the batch (stride 0) and every other count is 0.
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(batch), 0);
+  Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
+            tables_,          free_,       keys_, values_};
+  if (b_ok && (k_ok || v_ok)) {
+    counts[b] = n;
+    check_room("append_to", pool, counts, r);
+  }
+  throw_if(r);
+  const ConstTensorView k4(k_new.data(), k_new.dtype(), {batch, n, hkv, config_.head_dim},
+                           {0, k_new.stride(0), k_new.stride(1), k_new.stride(2)});
+  const ConstTensorView v4(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
+                           {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
+  write(pool, k4, v4, counts, rope);
+}
+
+void KvCache::release(std::int64_t b) {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("release", b, config_.batch));
+  lengths_[b] = 0;
+  if (!paged()) return;
+  for (std::int64_t page : tables_[b]) {
+    free_.push_back(page);
+    std::push_heap(free_.begin(), free_.end(), std::greater<>());
+  }
+  tables_[b].clear();
+}
+
+namespace {
+
+std::int64_t page_of(const char* op, std::span<const std::int64_t> table, std::int64_t b,
+                     std::int64_t index) {
+  if (index < 0 || index >= static_cast<std::int64_t>(table.size())) {
+    throw Error(std::string(op) + ": page " + to_string(index) + " of sequence " + to_string(b) +
+                " does not exist (its block table has " + to_string(table.size()) + " pages)");
+  }
+  return table[index];
+}
+
+}  // namespace
+
+const void* KvCache::key_page(std::int64_t b, std::int64_t index) const {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("key_page", b, config_.batch));
+  const std::int64_t page = page_of("key_page", tables_[b], b, index);
+  return at(keys_.view().data(), keys_.dtype(),
+            page * page_size() * config_.kv_heads * config_.head_dim);
+}
+
+const void* KvCache::value_page(std::int64_t b, std::int64_t index) const {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("value_page", b, config_.batch));
+  const std::int64_t page = page_of("value_page", tables_[b], b, index);
+  return at(values_.view().data(), values_.dtype(),
+            page * page_size() * config_.kv_heads * value_dim());
+}
+
+std::span<const std::int64_t> KvCache::block_table(std::int64_t b) const {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("block_table", b, config_.batch));
+  return tables_[b];
+}
+
+}  // namespace qkv

@@ -1,0 +1,128 @@
+// Dispatch of decode attention: decode-inl.h is compiled once per Highway
+// target by re-including this file; one dynamic dispatch per call. The plan
+// (work items, split count) and the merge of the splits are plain C++.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/decode.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// (foreach_target.h must come first: it re-includes this file per target.)
+#include "hwy/highway.h"
+// Per-target bodies, included after highway.h.
+#include "cpu/decode-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu {
+namespace HWY_NAMESPACE {
+
+void Decode(DecodePlan& plan) { DecodeImpl(plan); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/elements.hpp"
+
+namespace qkv::cpu {
+
+HWY_EXPORT(Decode);
+
+namespace {
+
+// Keys per split at least: below this, merging costs more than it saves.
+constexpr std::int64_t kMinSplitKeys = 512;
+// Work items the split count aims for; enough for the cores of a typical
+// CPU, and fixed so that results do not depend on the thread count.
+constexpr std::int64_t kTargetItems = 16;
+
+}  // namespace
+
+DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& options,
+                            ConstTensorView q, TensorView out, TensorView lse) {
+  DecodePlan plan;
+  plan.cache = &cache;
+  plan.options = &options;
+  plan.q = q;
+  plan.out = out;
+  plan.lse = lse;
+  plan.batch = q.size(0);
+  plan.n = q.size(1);
+  plan.hq = q.size(2);
+  plan.dk = q.size(3);
+  plan.hkv = cache.config().kv_heads;
+  plan.dv = cache.value_dim();
+  plan.scale = static_cast<float>(
+      options.score == Score::dot ? 1.0 : options.scale.value_or(1.0 / std::sqrt(double(plan.dk))));
+  plan.rows = plan.hq * plan.n;
+  plan.dv_pad = (plan.dv + 15) / 16 * 16;  // a multiple of any vector width
+
+  std::int64_t longest = 0;
+  for (std::int64_t b = 0; b < plan.batch; ++b) longest = std::max(longest, cache.length(b));
+  plan.splits = std::clamp<std::int64_t>((kTargetItems + plan.batch - 1) / plan.batch, 1,
+                                         std::max<std::int64_t>(1, longest / kMinSplitKeys));
+  for (std::int64_t b = 0; b < plan.batch; ++b) {
+    const std::int64_t length = cache.length(b);
+    // Keys before the first row's window are never read.
+    std::int64_t first = 0;
+    if (options.window_left >= 0) {
+      first = std::max<std::int64_t>(0, length - plan.n - options.window_left);
+    }
+    for (std::int64_t s = 0; s < plan.splits; ++s) {
+      const std::int64_t span = length - first;
+      plan.items.push_back({b, first + span * s / plan.splits, first + span * (s + 1) / plan.splits,
+                            static_cast<std::int64_t>(plan.items.size())});
+    }
+  }
+  const auto slots = plan.items.size();
+  plan.partial_o.resize(slots * static_cast<std::size_t>(plan.rows * plan.dv_pad));
+  plan.partial_m.resize(slots * static_cast<std::size_t>(plan.rows));
+  plan.partial_l.resize(slots * static_cast<std::size_t>(plan.rows));
+  return plan;
+}
+
+void decode(DecodePlan& plan) {
+  HWY_DYNAMIC_DISPATCH(Decode)(plan);
+  // Merge the splits of each sequence in key order:
+  // out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::vector<float> row(static_cast<std::size_t>(plan.dv));
+  for (std::size_t first = 0; first < plan.items.size();
+       first += static_cast<std::size_t>(plan.splits)) {
+    const DecodeItem& head = plan.items[first];
+    for (std::int64_t r = 0; r < plan.rows; ++r) {
+      float top = kNegInf;
+      for (std::int64_t s = 0; s < plan.splits; ++s) {
+        top = std::max(top, plan.partial_m[(first + s) * plan.rows + r]);
+      }
+      std::fill(row.begin(), row.end(), 0.0f);
+      float sum = 0.0f;
+      if (top != kNegInf) {
+        for (std::int64_t s = 0; s < plan.splits; ++s) {
+          const std::size_t slot = first + static_cast<std::size_t>(s);
+          const float m = plan.partial_m[slot * plan.rows + r];
+          if (m == kNegInf) continue;
+          const float w = std::exp(m - top);
+          sum += w * plan.partial_l[slot * plan.rows + r];
+          const float* o = plan.partial_o.data() + (slot * plan.rows + r) * plan.dv_pad;
+          for (std::int64_t c = 0; c < plan.dv; ++c) row[c] += w * o[c];
+        }
+      }
+      const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+      const std::int64_t h = r / plan.n, t = r % plan.n;
+      for (std::int64_t c = 0; c < plan.dv; ++c) plan.out.set({head.b, t, h, c}, row[c] * inv);
+      if (plan.lse.defined()) {
+        plan.lse.set({head.b, h, t}, sum == 0.0f ? kNegInf : top + std::log(sum));
+      }
+    }
+  }
+}
+
+}  // namespace qkv::cpu
+
+#endif  // HWY_ONCE
