@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Wall-clock time of qkv's fused CPU attention against PyTorch's CPU SDPA.
 
-Runs `qkv bench --json` for the selected cases of --suite (forward, backward
-or all), then times the same shapes through
+Runs `qkv bench --json` for the selected cases of --suite (forward, backward,
+decode or all), then times the same shapes through
 torch.nn.functional.scaled_dot_product_attention on the CPU, with the same
 thread count, dtype and repeats: inputs made as [B, N, H, D] and viewed as
 [B, H, N, D] with .transpose(1, 2) (as users do), is_causal for the causal
@@ -17,6 +17,14 @@ runs once with autograd recording (inputs are [B, N, H, D] leaves that require
 grad), then each timed run is torch.autograd.grad(out, (q, k, v), dout,
 retain_graph=True) with a random dout, which returns the three gradients
 without accumulating them into .grad.
+
+Decode cases (one new query per sequence against a KV cache of L tokens)
+time the forward under torch.inference_mode() on q [B, Hq, 1, D] and
+contiguous k, v [B, Hkv, L, D] (the layout of Hugging Face's KV caches) in the
+cache's dtype, with enable_gqa=True and no mask: a single query at the end of
+the sequence sees every key. SDPA wants one dtype for q, k and v, so where it
+rejects an f32 query against an f16 cache, q is given in the cache's dtype
+too; the torch dtypes used are printed (and are fields of --json output).
 
 Install torch from PyPI only (see bench/requirements.txt):
     python3 -m pip install -r bench/requirements.txt
@@ -42,9 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QKV = REPO_ROOT / "build" / "release" / "qkv"
 # N=8192 and the one-head memory cases (forward H1/N65536, backward H1/N32768)
 # take long in torch, above all with a materialized window mask: select them
-# explicitly with --filter.
-DEFAULT_FILTER = r"/N(512|2048)/|/cross$"
-SUITES = ("forward", "backward", "all")
+# explicitly with --filter. Every decode case is quick (the longest cache is
+# 1 GiB).
+DEFAULT_FILTER = r"/N(512|2048)/|/cross$|^dec/"
+SUITES = ("forward", "backward", "decode", "all")
 SAMPLE_LINE = (
     '{"suite":"forward","name":"fwd/bf16/B1/H16/N512/D64/window256","impl":"qkv",'
     '"dtype":"bf16","B":1,"Hq":16,"Hkv":16,"Nq":512,"Nk":512,"D":64,"causal":true,'
@@ -56,6 +65,14 @@ SAMPLE_BACKWARD_LINE = (
     '"dtype":"f32","B":1,"Hq":16,"Hkv":16,"Nq":2048,"Nk":2048,"D":64,"causal":true,'
     '"window":[-1,-1],"threads":2,"seconds":0.5,"gflops":43,"peak_gflops":100,'
     '"fraction_of_peak":0.43,"extra_bytes":0,"target":"AVX2"}'
+)
+SAMPLE_DECODE_LINE = (
+    '{"suite":"decode","name":"dec/f16/B2/Hq32/Hkv8/L256/D128/n1","impl":"qkv",'
+    '"dtype":"f32","B":2,"Hq":32,"Hkv":8,"Nq":1,"Nk":256,"D":128,"causal":true,'
+    '"window":[-1,-1],"threads":2,"seconds":0.0001,"gflops":10,"peak_gflops":100,'
+    '"fraction_of_peak":0.1,"extra_bytes":0,"target":"AVX2","cache_dtype":"f16","L":256,'
+    '"bytes_per_second":2e10,"probe_bytes_per_second":4e10,"fraction_of_bandwidth":0.5,'
+    '"tokens_per_second":20000}'
 )
 
 
@@ -118,11 +135,51 @@ def median_seconds(run: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def torch_dtype(torch: Any, name: str) -> Any:
+    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
+
+
+def decode_dtypes(torch: Any, rec: dict[str, Any]) -> tuple[str, str]:
+    """(q dtype, k/v dtype) names torch uses on a decode record: k and v in the cache's
+    dtype; q in the record's dtype if SDPA accepts it against that cache, else the cache's."""
+    q_name, kv_name = rec["dtype"], rec["cache_dtype"]
+    q = torch.zeros(1, 2, 1, 8, dtype=torch_dtype(torch, q_name))
+    kv = torch.zeros(1, 1, 4, 8, dtype=torch_dtype(torch, kv_name))
+    try:
+        with torch.inference_mode():
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except RuntimeError:  # "Expected query, key, and value to have the same dtype"
+        return kv_name, kv_name
+    return q_name, kv_name
+
+
+def time_torch_decode(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
+    """Median seconds of torch SDPA on the shape of one decode record: q [B, Hq, Nq, D]
+    against contiguous k, v [B, Hkv, L, D], in the dtypes of decode_dtypes()."""
+    torch.set_num_threads(threads)
+    q_dtype, kv_dtype = (torch_dtype(torch, name) for name in decode_dtypes(torch, rec))
+    b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
+    gen = torch.Generator().manual_seed(20240501)
+
+    def make(h: int, n: int, dtype: Any) -> Any:  # uniform [-1, 1), drawn in place
+        return torch.empty(b, h, n, d, dtype=dtype).uniform_(-1, 1, generator=gen)
+
+    q, k, v = make(hq, nq, q_dtype), make(hkv, nk, kv_dtype), make(hkv, nk, kv_dtype)
+    kwargs: dict[str, Any] = {"enable_gqa": True}
+    if nq > 1:  # queries at the end of the sequence: bottom-right causal
+        kwargs["attn_mask"] = window_mask(torch, nq, nk, True, -1, -1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        return median_seconds(lambda: sdpa(q, k, v, **kwargs), repeats)
+
+
 def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
     """Median seconds of torch SDPA (forward, or backward for suite "backward" records)
     on the shape of one qkv bench record."""
+    if rec.get("suite") == "decode":
+        return time_torch_decode(torch, rec, threads, repeats)
     torch.set_num_threads(threads)
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[rec["dtype"]]
+    dtype = torch_dtype(torch, rec["dtype"])
     b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
     backward = rec.get("suite") == "backward"
     gen = torch.Generator().manual_seed(20240501)
@@ -156,9 +213,10 @@ def self_test(torch: Any, threads: int, repeats: int) -> None:
     """Checks the JSON parsing and the window mask, then times one small torch case."""
     recs = parse_records(['{"suite":"probe","peak_gflops":100,"threads":2,"target":"AVX2"}',
                           SAMPLE_LINE, SAMPLE_LINE.replace('"impl":"qkv"', '"impl":"naive"'),
-                          "qkv bench: progress text", SAMPLE_BACKWARD_LINE])
-    assert len(recs) == 2 and recs[0]["window"] == [256, 0] and recs[0]["Nq"] == 512, recs
+                          "qkv bench: progress text", SAMPLE_BACKWARD_LINE, SAMPLE_DECODE_LINE])
+    assert len(recs) == 3 and recs[0]["window"] == [256, 0] and recs[0]["Nq"] == 512, recs
     assert recs[1]["suite"] == "backward" and recs[1]["causal"] is True, recs
+    assert recs[2]["cache_dtype"] == "f16" and recs[2]["L"] == recs[2]["Nk"] == 256, recs
     mask = window_mask(torch, 512, 512, True, 256, 0)
     assert mask.sum(1).tolist() == [min(i, 256) + 1 for i in range(512)]
     assert torch.equal(window_mask(torch, 4, 6, True, -1, -1),
@@ -180,14 +238,24 @@ def self_test(torch: Any, threads: int, repeats: int) -> None:
     want = torch.autograd.grad(scores.softmax(-1) @ leaves[2], leaves, dout)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5), (g - w).abs().max()
-    print("self-test: JSON parsing, window masks and gradients OK")
+    # Decode: one query per sequence with grouped heads and no mask is softmax over every
+    # cached key of its KV head (query heads 4g .. 4g + 3 share KV head g).
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    k4, v4 = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    want = (q @ k4.transpose(-1, -2) / 16 ** 0.5).softmax(-1) @ v4
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    print("self-test: JSON parsing, window masks, gradients and grouped decode OK")
     rec = json.loads(SAMPLE_LINE) | {"name": "fwd/f32/B1/H16/N512/D64/full", "dtype": "f32",
                                      "causal": False, "window": [-1, -1]}
     backward_rec = rec | {"suite": "backward", "name": "bwd/f32/B1/H16/N512/D64/full"}
-    for r in (rec, backward_rec):
+    decode_rec = json.loads(SAMPLE_DECODE_LINE)
+    for r in (rec, backward_rec, decode_rec):
         seconds = time_torch(torch, r, threads, repeats)
         print(f"self-test: torch {torch.__version__} SDPA {r['name']}: {seconds * 1e3:.3f} ms "
               f"(median of {repeats}, {threads} threads)")
+    q_name, kv_name = decode_dtypes(torch, decode_rec)
+    print(f"self-test: decode against an f16 cache runs torch with q {q_name}, k/v {kv_name}")
 
 
 def main() -> None:
@@ -195,7 +263,8 @@ def main() -> None:
     parser.add_argument("--qkv", type=Path, default=DEFAULT_QKV,
                         help=f"qkv binary (default: {DEFAULT_QKV.relative_to(REPO_ROOT)})")
     parser.add_argument("--suite", choices=SUITES, default="forward",
-                        help="qkv bench suite: forward, backward or all (default: forward)")
+                        help="qkv bench suite: forward, backward, decode or all"
+                        " (default: forward)")
     parser.add_argument("--filter", default=DEFAULT_FILTER,
                         help=f"case-name regex passed to qkv bench (default: {DEFAULT_FILTER!r})")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -203,8 +272,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (default: 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object per case")
     parser.add_argument("--self-test", action="store_true",
-                        help="check parsing, masks and gradients, time two small torch cases;"
-                        " no qkv needed")
+                        help="check parsing, masks, gradients and grouped decode, time three"
+                        " small torch cases; no qkv needed")
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1:
         parser.error("--threads and --repeats must be positive")
@@ -222,19 +291,26 @@ def main() -> None:
     width = max(len(r["name"]) for r in records)
     if not args.json:
         print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} runs")
-        print(f"{'name':<{width}}  {'qkv ms':>10}  {'torch ms':>10}  {'speedup':>8}")
+        decode = any(r.get("suite") == "decode" for r in records)
+        print(f"{'name':<{width}}  {'qkv ms':>10}  {'torch ms':>10}  {'speedup':>8}"
+              + ("  torch dtypes" if decode else ""))
     for rec in records:
         torch_seconds = time_torch(torch, rec, args.threads, args.repeats)
         qkv_seconds = float(rec["seconds"])
         speedup = torch_seconds / qkv_seconds
+        # Decode: the dtypes torch ran, which may differ from qkv's f32 query.
+        dtypes = decode_dtypes(torch, rec) if rec.get("suite") == "decode" else None
         if args.json:
-            print(json.dumps({"name": rec["name"], "qkv_seconds": qkv_seconds,
-                              "torch_seconds": torch_seconds, "speedup": speedup,
-                              "threads": args.threads, "torch_version": torch.__version__}),
-                  flush=True)
+            result = {"name": rec["name"], "qkv_seconds": qkv_seconds,
+                      "torch_seconds": torch_seconds, "speedup": speedup,
+                      "threads": args.threads, "torch_version": torch.__version__}
+            if dtypes:
+                result |= {"torch_q_dtype": dtypes[0], "torch_kv_dtype": dtypes[1]}
+            print(json.dumps(result), flush=True)
         else:
+            note = f"  q {dtypes[0]}, k/v {dtypes[1]}" if dtypes else ""
             print(f"{rec['name']:<{width}}  {qkv_seconds * 1e3:10.3f}  "
-                  f"{torch_seconds * 1e3:10.3f}  {speedup:7.2f}x", flush=True)
+                  f"{torch_seconds * 1e3:10.3f}  {speedup:7.2f}x{note}", flush=True)
 
 
 if __name__ == "__main__":

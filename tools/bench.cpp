@@ -1,9 +1,11 @@
 // `qkv bench`: the fused kernels (qkv::attention_into with Backend::fast for
-// suite "forward", qkv::attention_backward_into for suite "backward") and the
+// suite "forward", qkv::attention_backward_into for suite "backward",
+// qkv::decode_attention_into against a KvCache for suite "decode") and the
 // materialized baselines (bench_naive.hpp) on the same inputs and thread
-// count, timed as the median of repeated runs, with the FMA peak probed in the
-// same process (peak_probe.hpp) so ratios hold even when absolute speeds drift
-// between runs.
+// count, timed as the median of repeated runs, with the FMA peak and the
+// memory-read bandwidth probed in the same process (peak_probe.hpp,
+// bandwidth_probe.hpp) so ratios hold even when absolute speeds drift between
+// runs.
 #include "bench.hpp"
 
 #include <omp.h>
@@ -15,6 +17,8 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <new>
+#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -25,9 +29,12 @@
 #include <malloc.h>
 #endif
 
+#include "bandwidth_probe.hpp"
 #include "bench_naive.hpp"
 #include "cpu/flash.hpp"
 #include "peak_probe.hpp"
+#include "qkv/decode.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/qkv.hpp"
 
 namespace qkv::tools {
@@ -37,7 +44,18 @@ namespace {
 // inputs do not depend on which other cases the filter selects.
 constexpr std::uint32_t kSeed = 20240501;
 
-enum class Pass : std::uint8_t { forward, backward };
+enum class Pass : std::uint8_t { forward, backward, decode };
+
+std::string_view suite_name(Pass pass) {
+  switch (pass) {
+    case Pass::backward:
+      return "backward";
+    case Pass::decode:
+      return "decode";
+    default:
+      return "forward";
+  }
+}
 
 struct Case {
   std::string name;
@@ -47,6 +65,9 @@ struct Case {
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;  // -1 = unbounded
   bool naive = true;  // false where the baseline's Nq x Nk scores do not fit in memory
+  // Decode: the KvCache's storage; Nq is the new queries per sequence and Nk
+  // the cache length L (queries, in `dtype`, see all L keys).
+  DType cache_dtype = DType::f32;
 };
 
 // A sequence length divided by --shrink (at least 1).
@@ -134,6 +155,36 @@ std::vector<Case> backward_cases(int shrink) {
   return cases;
 }
 
+// The decode suite: one new query per sequence against a cache of L tokens,
+// with the heads of Llama 3 8B (32 query heads sharing 8 KV heads of 128), the
+// cache in f32 and in f16 (half the bytes to read), queries in f32. Every
+// case reads each cached byte once per step, so memory bandwidth bounds it.
+std::vector<Case> decode_cases(int shrink) {
+  struct Shape {
+    std::int64_t b, l;
+  };
+  std::vector<Case> cases;
+  for (const DType cache_dtype : {DType::f32, DType::f16}) {
+    for (const Shape shape : {Shape{1, 4096}, Shape{1, 32768}, Shape{1, 131072}, Shape{16, 4096}}) {
+      const std::int64_t l = shrunk(shape.l, shrink);
+      cases.push_back({.name = "dec/" + std::string(dtype_name(cache_dtype)) + "/B" +
+                               std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
+                               "/D128/n1",
+                       .pass = Pass::decode,
+                       .b = shape.b,
+                       .hq = 32,
+                       .hkv = 8,
+                       .nq = 1,
+                       .nk = l,
+                       .d = 128,
+                       .causal = true,
+                       .naive = false,
+                       .cache_dtype = cache_dtype});
+    }
+  }
+  return cases;
+}
+
 AttentionOptions options_of(const Case& c) {
   AttentionOptions options;
   options.causal = c.causal;
@@ -166,15 +217,17 @@ Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> sizes, std
   return t;
 }
 
-// The value of a "VmRSS:"-style line of /proc/self/status in bytes; -1 if
-// there is none (no /proc).
-std::int64_t status_bytes(std::string_view field) {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
+// The value of a "VmRSS:"-style line of a /proc file in bytes; -1 if there
+// is none (no /proc).
+std::int64_t proc_bytes(const char* path, std::string_view field) {
+  std::ifstream file(path);
+  for (std::string line; std::getline(file, line);) {
     if (line.starts_with(field)) return std::stoll(line.substr(field.size())) * 1024;  // in kB
   }
   return -1;
 }
+
+std::int64_t status_bytes(std::string_view field) { return proc_bytes("/proc/self/status", field); }
 
 // Peak resident memory growth from construction to bytes(): writing "5" to
 // clear_refs resets the peak (VmHWM) to the current RSS, so the growth is what
@@ -231,42 +284,78 @@ struct Row {
   std::string_view impl;
   Timing timing;
   double gflops = 0.0;
+  double bytes_per_second = 0.0;  // decode: cached K and V bytes read per second
 };
 
-std::string json_line(const Row& r, const PeakProbe& peak, int threads, const char* target) {
+// The probes of one run; `bandwidth` is probed only when a decode case runs.
+struct Probes {
+  PeakProbe peak;
+  std::optional<BandwidthProbe> bandwidth;
+};
+
+std::string json_line(const Row& r, const Probes& probes, int threads, const char* target) {
   const Case& c = *r.c;
+  const std::string_view suite = suite_name(c.pass);
   char text[1024];
   std::snprintf(
       text, sizeof text,
-      "{\"suite\":\"%s\",\"name\":\"%s\",\"impl\":\"%.*s\",\"dtype\":\"%.*s\","
+      "{\"suite\":\"%.*s\",\"name\":\"%s\",\"impl\":\"%.*s\",\"dtype\":\"%.*s\","
       "\"B\":%lld,\"Hq\":%lld,\"Hkv\":%lld,\"Nq\":%lld,\"Nk\":%lld,\"D\":%lld,"
       "\"causal\":%s,\"window\":[%lld,%lld],\"threads\":%d,\"seconds\":%.6g,"
       "\"gflops\":%.6g,\"peak_gflops\":%.6g,\"fraction_of_peak\":%.4g,"
-      "\"extra_bytes\":%lld,\"target\":\"%s\"}",
-      c.pass == Pass::forward ? "forward" : "backward", c.name.c_str(),
-      static_cast<int>(r.impl.size()), r.impl.data(), static_cast<int>(dtype_name(c.dtype).size()),
-      dtype_name(c.dtype).data(), static_cast<long long>(c.b), static_cast<long long>(c.hq),
-      static_cast<long long>(c.hkv), static_cast<long long>(c.nq), static_cast<long long>(c.nk),
-      static_cast<long long>(c.d), c.causal ? "true" : "false",
-      static_cast<long long>(c.window_left), static_cast<long long>(c.window_right), threads,
-      r.timing.seconds, r.gflops, peak.gflops, r.gflops / peak.gflops,
+      "\"extra_bytes\":%lld,\"target\":\"%s\"",
+      static_cast<int>(suite.size()), suite.data(), c.name.c_str(), static_cast<int>(r.impl.size()),
+      r.impl.data(), static_cast<int>(dtype_name(c.dtype).size()), dtype_name(c.dtype).data(),
+      static_cast<long long>(c.b), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
+      static_cast<long long>(c.nq), static_cast<long long>(c.nk), static_cast<long long>(c.d),
+      c.causal ? "true" : "false", static_cast<long long>(c.window_left),
+      static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops,
+      probes.peak.gflops, r.gflops / probes.peak.gflops,
       static_cast<long long>(r.timing.extra_bytes), target);
-  return text;
+  std::string line = text;
+  if (c.pass == Pass::decode) {
+    const double bandwidth = probes.bandwidth->bytes_per_second;
+    std::snprintf(text, sizeof text,
+                  ",\"cache_dtype\":\"%.*s\",\"L\":%lld,\"bytes_per_second\":%.6g,"
+                  "\"probe_bytes_per_second\":%.6g,\"fraction_of_bandwidth\":%.4g,"
+                  "\"tokens_per_second\":%.6g",
+                  static_cast<int>(dtype_name(c.cache_dtype).size()),
+                  dtype_name(c.cache_dtype).data(), static_cast<long long>(c.nk),
+                  r.bytes_per_second, bandwidth, r.bytes_per_second / bandwidth,
+                  static_cast<double>(c.b * c.nq) / r.timing.seconds);
+    line += text;
+  }
+  return line + "}";
 }
 
-std::string table_line(const Row& r, const PeakProbe& peak, int name_width) {
+std::string table_line(const Row& r, const Probes& probes, int name_width) {
   char text[512];
+  if (r.c->pass == Pass::decode) {
+    std::snprintf(text, sizeof text, "%-*s  %-5.*s  %10.3f  %9.2f  %9.1f  %10.1f  %9.1f  %9.1f",
+                  name_width, r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
+                  r.timing.seconds * 1e3, r.bytes_per_second / 1e9,
+                  100.0 * r.bytes_per_second / probes.bandwidth->bytes_per_second,
+                  static_cast<double>(r.c->b * r.c->nq) / r.timing.seconds, r.gflops,
+                  static_cast<double>(r.timing.extra_bytes) / 1e6);
+    return text;
+  }
   std::snprintf(text, sizeof text, "%-*s  %-5.*s  %10.3f  %9.1f  %9.1f  %9.1f", name_width,
                 r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
-                r.timing.seconds * 1e3, r.gflops, 100.0 * r.gflops / peak.gflops,
+                r.timing.seconds * 1e3, r.gflops, 100.0 * r.gflops / probes.peak.gflops,
                 static_cast<double>(r.timing.extra_bytes) / 1e6);
   return text;
 }
 
-std::string table_header(int name_width) {
+// Decode rows have their own columns: bytes read rather than flops bound them.
+std::string table_header(int name_width, bool decode) {
   char text[512];
-  std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %9s", name_width, "name", "impl",
-                "ms", "GFLOP/s", "% of peak", "extra MB");
+  if (decode) {
+    std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %10s  %9s  %9s", name_width,
+                  "name", "impl", "ms", "GB/s", "% of bw", "tokens/s", "GFLOP/s", "extra MB");
+  } else {
+    std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %9s", name_width, "name", "impl",
+                  "ms", "GFLOP/s", "% of peak", "extra MB");
+  }
   return text;
 }
 
@@ -276,12 +365,58 @@ std::vector<Case> suite_cases(const BenchOptions& options) {
   }
   if (options.suite == "forward") return forward_cases(options.shrink);
   if (options.suite == "backward") return backward_cases(options.shrink);
+  if (options.suite == "decode") return decode_cases(options.shrink);
   if (options.suite == "all") {
     std::vector<Case> cases = forward_cases(options.shrink);
     for (Case& c : backward_cases(options.shrink)) cases.push_back(std::move(c));
+    for (Case& c : decode_cases(options.shrink)) cases.push_back(std::move(c));
     return cases;
   }
-  throw Error("bench: --suite must be forward, backward or all, got '" + options.suite + "'");
+  throw Error("bench: --suite must be forward, backward, decode or all, got '" + options.suite +
+              "'");
+}
+
+// Token rows (B * tokens) per KvCache::append when filling a decode case's
+// cache: bounds the f32 temporaries (16 MiB each for K and V at Hkv = 8,
+// D = 128) whatever L is.
+constexpr std::int64_t kFillRows = 4096;
+
+// Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) elements.
+std::int64_t cache_bytes(const Case& c) {
+  return c.b * c.nk * c.hkv * 2 * c.d * static_cast<std::int64_t>(dtype_size(c.cache_dtype));
+}
+
+// Makes `cache` a contiguous cache holding L tokens per sequence: uniform
+// [-1, 1) keys and values drawn in f32 and rounded once to the storage dtype
+// by append(). Returns why not where the cache does not fit in memory (the
+// case is then skipped, not failed, so that a smaller machine still measures
+// the shorter caches); empty on success.
+std::string fill_cache(const Case& c, std::mt19937& rng, std::optional<KvCache>& cache) {
+  const std::int64_t chunk = std::max<std::int64_t>(1, kFillRows / c.b);
+  const std::int64_t needed =
+      cache_bytes(c) + 2 * c.b * chunk * c.hkv * c.d * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t available = proc_bytes("/proc/meminfo", "MemAvailable:");
+  if (available >= 0 && needed > available) {
+    return "needs " + std::to_string(needed >> 20) + " MiB, " + std::to_string(available >> 20) +
+           " MiB available";
+  }
+  try {
+    cache.emplace(KvCacheConfig{.batch = c.b,
+                                .kv_heads = c.hkv,
+                                .head_dim = c.d,
+                                .capacity = c.nk,
+                                .dtype = c.cache_dtype});
+    for (std::int64_t t = 0; t < c.nk; t += chunk) {
+      const std::int64_t n = std::min(chunk, c.nk - t);
+      const Tensor k = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
+      const Tensor v = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
+      cache->append(k, v);
+    }
+  } catch (const std::bad_alloc&) {
+    cache.reset();
+    return "cannot allocate its " + std::to_string(cache_bytes(c) >> 20) + " MiB cache";
+  }
+  return {};
 }
 
 // One implementation of a case and how to run it.
@@ -345,51 +480,80 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
   // costs far less than the attention work that needs it.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
 #endif
-  const PeakProbe peak = probe_fma_peak(options.threads);
+  Probes probes{.peak = probe_fma_peak(options.threads), .bandwidth = {}};
   const char* target = cpu::flash_target();
   int name_width = 0;
   int runs = 0;
   for (const Case& c : cases) {
     name_width = std::max(name_width, static_cast<int>(c.name.size()));
     runs += c.naive ? 2 : 1;
+    if (c.pass == Pass::decode && !probes.bandwidth) {
+      probes.bandwidth = probe_read_bandwidth(options.threads);
+    }
   }
+  const PeakProbe& peak = probes.peak;
+  char header[512];
   if (options.json) {
-    char text[256];
-    std::snprintf(text, sizeof text,
-                  "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,\"target\":\"%s\"}",
-                  peak.gflops, peak.threads, peak.target);
-    out << text << std::endl;
+    int length = std::snprintf(header, sizeof header,
+                               "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,"
+                               "\"target\":\"%s\"",
+                               peak.gflops, peak.threads, peak.target);
+    if (probes.bandwidth) {
+      length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                              ",\"probe_bytes_per_second\":%.6g,\"probe_buffer_bytes\":%lld",
+                              probes.bandwidth->bytes_per_second,
+                              static_cast<long long>(probes.bandwidth->buffer_bytes));
+    }
+    out << header << "}" << std::endl;
   } else {
-    char text[256];
-    std::snprintf(text, sizeof text,
-                  "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n",
-                  peak.gflops, peak.target, peak.threads, target, options.repeats);
-    out << text << table_header(name_width) << std::endl;
+    int length =
+        std::snprintf(header, sizeof header, "FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
+                      peak.gflops, peak.target, peak.threads);
+    if (probes.bandwidth) {
+      length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                              "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads); ",
+                              probes.bandwidth->bytes_per_second / 1e9, probes.bandwidth->target,
+                              static_cast<long long>(probes.bandwidth->buffer_bytes >> 20),
+                              probes.bandwidth->threads);
+    }
+    std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                  "kernels: %s; median of %d runs", target, options.repeats);
+    out << header << std::endl;
   }
 
   int run = 0;
   bool checks_passed = true;
+  std::optional<bool> decode_table;  // which table header was printed last
   for (const Case& c : cases) {
     std::mt19937 rng(kSeed);
     const Tensor q = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
-    const Tensor k = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
-    const Tensor v = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
     Tensor o(c.dtype, {c.b, c.nq, c.hq, c.d});
     const AttentionOptions attention_options = options_of(c);
-    // 4 flops per unmasked pair, head and head dimension forward, 2.5 times
-    // that backward. The naive baselines are credited with the same useful
-    // flops.
-    const double flops = (c.pass == Pass::forward ? 4.0 : 10.0) *
+    // 4 flops per unmasked pair, head and head dimension forward and decode,
+    // 2.5 times that backward. The naive baselines are credited with the same
+    // useful flops.
+    const double flops = (c.pass == Pass::backward ? 10.0 : 4.0) *
                          static_cast<double>(c.b * c.hq * c.d) *
                          static_cast<double>(unmasked_pairs(c.nq, c.nk, attention_options));
 
-    // Backward: the forward's lse, dout and the gradients. Every tensor is
-    // allocated (and touched: Tensor zero-fills) before measure() opens its
-    // memory window, so extra_bytes counts scratch only.
-    Tensor lse, dout, dq, dk, dv;
+    // Backward: the forward's lse, dout and the gradients; decode: the filled
+    // cache. Every tensor is allocated (and touched: Tensor zero-fills) before
+    // measure() opens its memory window, so extra_bytes counts scratch only.
+    Tensor k, v, lse, dout, dq, dk, dv;
+    std::optional<KvCache> cache;
     std::vector<Impl> impls;
     std::vector<std::pair<std::string_view, TensorView>> outputs;  // compared under --check
-    if (c.pass == Pass::forward) {
+    if (c.pass != Pass::decode) {
+      k = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
+      v = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
+    } else if (const std::string skip = fill_cache(c, rng, cache); !skip.empty()) {
+      ++run;
+      progress << "[" << run << "/" << runs << "] " << c.name << " skipped: " << skip << std::endl;
+      continue;
+    }
+    if (c.pass == Pass::decode) {
+      impls.push_back({"qkv", [&] { decode_attention_into(q, *cache, o); }});
+    } else if (c.pass == Pass::forward) {
       impls.push_back({"qkv", [&] { attention_into(q, k, v, {.out = o}, attention_options); }});
       if (c.naive) {
         impls.push_back(
@@ -425,11 +589,21 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                << " " << impl.name << " ..." << (options.live_progress ? "\033[K" : "\n")
                << std::flush;
       const Timing timing = measure(impl.run, options.repeats);
-      const Row row{&c, impl.name, timing, flops / timing.seconds / 1e9};
+      const Row row{
+          &c, impl.name, timing, flops / timing.seconds / 1e9,
+          c.pass == Pass::decode ? static_cast<double>(cache_bytes(c)) / timing.seconds : 0.0};
       if (options.live_progress) progress << "\r\033[K" << std::flush;
-      out << (options.json ? json_line(row, peak, options.threads, target)
-                           : table_line(row, peak, name_width))
-          << std::endl;
+      if (options.json) {
+        out << json_line(row, probes, options.threads, target) << std::endl;
+      } else {
+        const bool decode = c.pass == Pass::decode;
+        if (decode_table != decode) {
+          if (decode_table.has_value()) out << "\n";
+          out << table_header(name_width, decode) << "\n";
+          decode_table = decode;
+        }
+        out << table_line(row, probes, name_width) << std::endl;
+      }
       if (!options.check || !c.naive) continue;
       if (impl.name == "qkv") {
         for (const auto& [name, view] : outputs) qkv_outputs.push_back(to_dtype(view, c.dtype));

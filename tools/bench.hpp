@@ -1,6 +1,7 @@
 // `qkv bench`: attention speed (forward and backward) in GFLOP/s and as a
 // fraction of the FMA peak measured in the same run, against materialized
-// (sgemm + softmax) baselines.
+// (sgemm + softmax) baselines; decoding against a KV cache in bytes read per
+// second and as a fraction of the memory bandwidth measured in the same run.
 #pragma once
 
 #include <ostream>
@@ -9,7 +10,7 @@
 namespace qkv::tools {
 
 struct BenchOptions {
-  std::string suite = "forward";  // "forward", "backward" or "all" (forward, then backward)
+  std::string suite = "forward";  // "forward", "backward", "decode" or "all" (each in turn)
   std::string filter;             // run the cases whose name std::regex_search matches
   bool json = false;              // one JSON object per line instead of a table
   bool list = false;              // print the selected case names, run nothing
@@ -17,15 +18,16 @@ struct BenchOptions {
   bool check = false;             // compare the baseline's outputs with qkv's
   int threads = 1;                // OpenMP threads for every implementation and the probe
   int repeats = 5;                // timed runs per case, after one warm-up run
-  int shrink = 1;                 // divide every sequence length by this (quick runs)
+  int shrink = 1;                 // divide every sequence (and cache) length by this
 };
 
 // Runs the selected cases, writing results to `out` and one progress line per
 // measurement (and, with `check`, one line per compared case) to `progress`.
 // Returns the exit status: 0; 1 if the filter selects no case; 3 if a check
 // finds the baseline's outputs (out, or dq, dk and dv) further from qkv's than
-// a loose bound. Throws qkv::Error for an unknown suite, a bad filter or
-// shrink, or an error of the kernels.
+// a loose bound. A decode case whose cache does not fit in the available
+// memory is skipped with a line on `progress`. Throws qkv::Error for an
+// unknown suite, a bad filter or shrink, or an error of the kernels.
 int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
 
 }  // namespace qkv::tools

@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   bool color = false;
   demo->add_flag("--color", color, "Shade the heatmap with ANSI colours");
 
-  CLI::App* bench = app.add_subcommand("bench", "Measure attention speed against the FMA peak");
+  CLI::App* bench =
+      app.add_subcommand("bench", "Time attention against the FMA peak and bandwidth");
   bench->footer(
       "Times the fused kernels (impl qkv) and materialized sgemm + softmax\n"
       "baselines (impl naive) on each case: one warm-up run, then the median of\n"
@@ -36,20 +37,24 @@ int main(int argc, char** argv) {
       "(query, key) pair and head dimension forward, 10 backward; the FMA peak\n"
       "is probed in the same run with the same threads. Extra MB is the peak\n"
       "resident memory growth during a case, beyond its inputs and outputs.\n"
+      "Suite decode times one new query per sequence against a filled KV cache\n"
+      "(no baseline): GB/s of cached keys and values read, against a read\n"
+      "bandwidth probe (all threads streaming a buffer far larger than the\n"
+      "L3 cache) of the same run, and tokens/s.\n"
       "Progress goes to stderr; results to stdout. Exits 1 if no case matches,\n"
       "3 if --check fails.");
   qkv::tools::BenchOptions bench_options;
   const CLI::Range positive(1, std::numeric_limits<int>::max());
   bench_options.threads = omp_get_max_threads();
   bench->add_option("--suite", bench_options.suite, "Benchmark suite")
-      ->check(CLI::IsMember({"forward", "backward", "all"}))
+      ->check(CLI::IsMember({"forward", "backward", "decode", "all"}))
       ->capture_default_str();
   bench->add_option("--filter", bench_options.filter,
                     "Run only the cases whose name matches this\n"
                     "regular expression (std::regex_search)");
   bench->add_flag("--json", bench_options.json,
-                  "Print one JSON object per line (the first: the probe)\n"
-                  "instead of a table");
+                  "Print one JSON object per line (the first: the\n"
+                  "probes) instead of a table");
   bench->add_option("--threads", bench_options.threads, "OpenMP threads (default: all cores)")
       ->check(positive)
       ->capture_default_str();
@@ -62,8 +67,8 @@ int main(int argc, char** argv) {
                   "(max |naive - qkv| / max |qkv|, on stderr)");
   bench
       ->add_option("--shrink", bench_options.shrink,
-                   "Divide every sequence length by this, for quick\n"
-                   "runs (case names show the sizes run)")
+                   "Divide sequence and cache lengths by this, for\n"
+                   "quick runs (case names show the sizes run)")
       ->check(positive)
       ->capture_default_str();
 
