@@ -252,28 +252,41 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, DecodeScratch& sc) 
         const bool full = x + lanes <= dv;
         for (std::int64_t r0 = hk * head_rows; r0 < (hk + 1) * head_rows; r0 += 4) {
           const std::int64_t tile = std::min<std::int64_t>(4, (hk + 1) * head_rows - r0);
-          hn::Vec<decltype(d)> acc[4];
-          for (std::int64_t u = 0; u < tile; ++u) {
-            acc[u] = hn::LoadU(d, o_acc + (r0 + u) * dv_pad + x);
-          }
-          for (std::int64_t c = 0; c < cols; ++c) {
-            const T* vrow = tokens[c] + hk * dv;
-            hn::Vec<decltype(d)> vv;
+          auto rows_tile = [&](auto kTile) {
+            constexpr int kRows = decltype(kTile)::value;
+            hn::Vec<decltype(d)> acc[kRows];
+            for (int u = 0; u < kRows; ++u) acc[u] = hn::LoadU(d, o_acc + (r0 + u) * dv_pad + x);
+            const float* p_rows = s + r0 * kDecodeBlock;
+            // Masked keys have p = 0 (as in the forward kernel's P V).
+            auto add = [&](std::int64_t c, hn::Vec<decltype(d)> vv) HWY_ATTR {
+              for (int u = 0; u < kRows; ++u) {
+                acc[u] = hn::MulAdd(hn::Set(d, p_rows[u * kDecodeBlock + c]), vv, acc[u]);
+              }
+            };
             if (full) {
-              vv = LoadWide<T>(d, vrow + x);
+              for (std::int64_t c = 0; c < cols; ++c)
+                add(c, LoadWide<T>(d, tokens[c] + hk * dv + x));
             } else {
-              HWY_ALIGN float tmp[hn::MaxLanes(d)] = {};
-              for (std::int64_t e = x; e < dv; ++e) tmp[e - x] = Wide(vrow[e]);
-              vv = hn::Load(d, tmp);
+              for (std::int64_t c = 0; c < cols; ++c) {
+                HWY_ALIGN float tmp[hn::MaxLanes(d)] = {};
+                for (std::int64_t e = x; e < dv; ++e) tmp[e - x] = Wide(tokens[c][hk * dv + e]);
+                add(c, hn::Load(d, tmp));
+              }
             }
-            for (std::int64_t u = 0; u < tile; ++u) {
-              const float p = s[(r0 + u) * kDecodeBlock + c];
-              // A masked key (p = 0) is skipped so that a non-finite v stays out.
-              if (p != 0.0f) acc[u] = hn::MulAdd(hn::Set(d, p), vv, acc[u]);
-            }
-          }
-          for (std::int64_t u = 0; u < tile; ++u) {
-            hn::StoreU(acc[u], d, o_acc + (r0 + u) * dv_pad + x);
+            for (int u = 0; u < kRows; ++u) hn::StoreU(acc[u], d, o_acc + (r0 + u) * dv_pad + x);
+          };
+          switch (tile) {
+            case 4:
+              rows_tile(std::integral_constant<int, 4>());
+              break;
+            case 3:
+              rows_tile(std::integral_constant<int, 3>());
+              break;
+            case 2:
+              rows_tile(std::integral_constant<int, 2>());
+              break;
+            default:
+              rows_tile(std::integral_constant<int, 1>());
           }
         }
       }
