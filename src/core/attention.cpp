@@ -1,6 +1,7 @@
 // Entry points of qkv::attention: validate, allocate, dispatch once.
 #include "qkv/attention.hpp"
 
+#include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -9,36 +10,19 @@
 namespace qkv {
 namespace {
 
-bool use_fast(const detail::AttentionProblem& p, const AttentionOptions& o) {
-  switch (o.backend) {
-    case Backend::reference:
-      return false;
-    case Backend::fast:
-      return true;  // validation rejected what it cannot run
-    case Backend::automatic:
-      return p.dtype != DType::f64;
-  }
-  return false;
-}
-
 // `mods` are the tile hooks of the options' callables; null means "derive
 // them from the std::function options".
 void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
          ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
          const detail::TileMods* mods) {
-  if (!use_fast(problem, options)) {
+  if (!detail::use_fast_kernels(options, problem.dtype)) {
     reference::attention(problem, q, k, v, outputs, options);
     return;
   }
   // Without inlined callables, tile hooks that call the std::function
   // options (element by element, through std::function).
   const detail::FlexCallables<ScoreMod, MaskMod> functions{options.score_mod, options.mask_mod};
-  detail::TileMods function_mods = functions.tile_mods();
-  if (!options.score_mod) function_mods.score_mod = nullptr;
-  if (!options.mask_mod) {
-    function_mods.mask_mod = nullptr;
-    function_mods.admitted = nullptr;
-  }
+  const detail::TileMods function_mods = detail::function_tile_mods(functions);
   // The probabilities pass needs the lse even when the caller did not ask.
   Tensor lse_scratch;
   TensorView lse = outputs.lse;

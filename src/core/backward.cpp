@@ -1,6 +1,7 @@
 // Entry points of qkv::attention_backward: validate, allocate, dispatch once.
 #include "qkv/backward.hpp"
 
+#include "core/dispatch.hpp"
 #include "core/philox.hpp"
 #include "core/validate.hpp"
 #include "cpu/flash.hpp"
@@ -10,35 +11,18 @@
 namespace qkv {
 namespace {
 
-// The fused kernels handle dot-product scores in f32, bf16 and f16; the
-// additive score's backward (and f64) runs the reference.
-bool use_fast(const detail::AttentionProblem& p, const AttentionOptions& o) {
-  switch (o.backend) {
-    case Backend::reference:
-      return false;
-    case Backend::fast:
-      return true;  // validation rejected what it cannot run
-    case Backend::automatic:
-      return p.dtype != DType::f64 && o.score != Score::additive;
-  }
-  return false;
-}
-
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
-  if (!use_fast(p, o)) {
+  // The fused backward handles dot-product scores; the additive score's
+  // backward runs the reference.
+  if (!detail::use_fast_kernels(o, p.dtype, o.score != Score::additive)) {
     reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
     return;
   }
   // mask_mod through std::function, one call per element of partial tiles.
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
-  detail::TileMods mods = functions.tile_mods();
-  mods.score_mod = nullptr;  // rejected by validation
-  if (!o.mask_mod) {
-    mods.mask_mod = nullptr;
-    mods.admitted = nullptr;
-  }
+  const detail::TileMods mods = detail::function_tile_mods(functions);
   const cpu::FlashPlan plan =
       cpu::make_plan(p, o, mods, q, k, v, {}, {}, {}, cpu::flash_backward_config());
   cpu::flash_backward(plan, {out, dout, lse, grads});
