@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/validate.hpp"
 
 namespace qkv {
 namespace {
@@ -232,18 +233,9 @@ bool check_view(const char* name, ConstTensorView t, int rank, const char* layou
                 ", got rank " + to_string(t.rank()) + " with sizes " + shape_string(t.size_span()));
     return false;
   }
-  if (!detail::extent_fits(t)) {
-    r.push_back(std::string(name) + ": sizes " + shape_string(t.size_span()) + " with strides " +
-                shape_string(t.stride_span()) +
-                " overflow int64: the element count or the byte offset of the last element "
-                "exceeds 2^63 - 1");
-    return false;
-  }
-  if (t.data() == nullptr && t.numel() > 0) {
-    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
-                " elements (sizes " + shape_string(t.size_span()) + ")");
-  }
-  return true;
+  // Sizes are readable unless the extent overflows (a null pointer is only
+  // a reason).
+  return detail::check_memory(name, t, r) || detail::extent_fits(t);
 }
 
 void check_sizes(const char* name, ConstTensorView t, std::span<const std::int64_t> expected,

@@ -26,6 +26,26 @@ std::string num(T x) {
   return {text, std::to_chars(text, text + sizeof text, x).ptr};
 }
 
+}  // namespace
+
+bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>& r) {
+  if (!extent_fits(t)) {
+    r.push_back(std::string(name) + ": sizes " + shape_of(t) + " with strides " +
+                shape_string(t.stride_span()) +
+                " overflow int64: the element count or the byte offset of the last element "
+                "exceeds 2^63 - 1");
+    return false;
+  }
+  if (t.data() == nullptr && t.numel() > 0) {
+    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
+                " elements (sizes " + shape_of(t) + ")");
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
 // A tensor argument: defined (if required), of the expected rank, backed by
 // memory when it has elements, and addressable. Returns whether later checks
 // may look at its sizes.
@@ -40,19 +60,7 @@ bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
                 to_string(t.rank()) + " with sizes " + shape_of(t));
     ok = false;
   }
-  if (!extent_fits(t)) {
-    r.push_back(std::string(name) + ": sizes " + shape_of(t) + " with strides " +
-                shape_string(t.stride_span()) +
-                " overflow int64: the element count or the byte offset of the last element "
-                "exceeds 2^63 - 1");
-    return false;
-  }
-  if (t.data() == nullptr && t.numel() > 0) {
-    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
-                " elements (sizes " + shape_of(t) + ")");
-    ok = false;
-  }
-  return ok;
+  return check_memory(name, t, r) && ok;
 }
 
 void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,

@@ -44,6 +44,10 @@ struct AttentionProblem {
   SequenceExtent sequence(std::int64_t s, const AttentionOptions& options) const;
 };
 
+// Appends a reason when t's extent overflows int64 or its data is null while
+// it has elements; returns whether it is addressable and backed.
+bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>& reasons);
+
 // Checks q, k, v and options; throws qkv::Error listing every problem.
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                         const AttentionOptions& options);
