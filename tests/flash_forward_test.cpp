@@ -1,8 +1,5 @@
 // The fused CPU kernels against the reference, with the tolerance policy of
-// docs/numerics.md: on the same inputs, the fast path's largest error against
-// the reference (computed in double) must be at most twice the error of the
-// naive computation in the input precision (reference::naive_attention),
-// plus half an ulp of the output's format at the output's magnitude.
+// docs/numerics.md (see attention_checks.hpp).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -12,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_checks.hpp"
 #include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/targets.h"
@@ -25,88 +23,15 @@ using qkv::AttentionOptions;
 using qkv::ConstTensorView;
 using qkv::DType;
 using qkv::Tensor;
+using qkv::test::expect_matches_reference;
+using qkv::test::finite_diff;
+using qkv::test::kInf;
+using qkv::test::Inputs;
+using qkv::test::make_inputs;
 using qkv::test::max_abs;
 using qkv::test::max_abs_diff;
 using qkv::test::random_tensor;
 using qkv::test::unit_roundoff;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// Largest |a - b| over elements where both are finite; the positions where
-// either is not finite must agree exactly (same infinity, or both NaN).
-double finite_diff(ConstTensorView a, ConstTensorView b, int* mismatches) {
-  double worst = 0.0;
-  qkv::detail::for_each_index(a.sizes(), a.rank(), [&](const qkv::Shape& idx) {
-    const double x =
-        qkv::detail::load(a.data(), a.dtype(), qkv::detail::offset(idx, a.strides(), a.rank()));
-    const double y =
-        qkv::detail::load(b.data(), b.dtype(), qkv::detail::offset(idx, b.strides(), b.rank()));
-    if (std::isfinite(x) && std::isfinite(y)) {
-      worst = std::max(worst, std::fabs(x - y));
-    } else if (!(x == y || (std::isnan(x) && std::isnan(y)))) {
-      ++*mismatches;
-    }
-  });
-  return worst;
-}
-
-struct Inputs {
-  Tensor q, k, v;
-};
-
-Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std::int64_t hq,
-                   std::int64_t hkv, std::int64_t dk, std::int64_t dv, DType dtype,
-                   std::uint32_t seed) {
-  // Values of order 1 with scores up to a few units: the regime of trained
-  // models after the 1/sqrt(D) scale.
-  return {random_tensor(dtype, {b, nq, hq, dk}, seed, -1.5, 1.5),
-          random_tensor(dtype, {b, nk, hkv, dk}, seed + 1, -1.5, 1.5),
-          random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
-}
-
-// Runs the fast backend and checks it against the reference with the
-// tolerance policy; returns the fast result.
-qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTensorView k,
-                                              ConstTensorView v, AttentionOptions opt,
-                                              const std::string& label) {
-  opt.return_lse = true;
-  AttentionOptions fast_opt = opt;
-  fast_opt.backend = qkv::Backend::fast;
-  const qkv::AttentionResult fast = qkv::attention(q, k, v, fast_opt);
-
-  AttentionOptions ref_opt = opt;
-  ref_opt.backend = qkv::Backend::reference;
-  const qkv::AttentionResult ref =
-      qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
-                     qkv::to_dtype(v, DType::f64), ref_opt);
-
-  const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
-  Tensor naive_out(q.dtype(), fast.out.view().size_span());
-  Tensor naive_lse(DType::f32, fast.lse.view().size_span());
-  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, q.dtype());
-
-  int mismatches = 0;
-  const double err_fast = finite_diff(fast.out, ref.out, &mismatches);
-  const double err_naive = finite_diff(naive_out, ref.out, &mismatches);
-  const double floor = unit_roundoff(q.dtype()) * max_abs(ref.out);
-  EXPECT_LE(err_fast, 2 * err_naive + floor)
-      << label << ": fast error " << err_fast << ", naive " << err_naive << ", floor " << floor;
-  const double lse_fast = finite_diff(fast.lse, ref.lse, &mismatches);
-  const double lse_naive = finite_diff(naive_lse, ref.lse, &mismatches);
-  const double lse_floor =
-      unit_roundoff(DType::f32) *
-      std::max(1.0, max_abs([&] {
-                 Tensor t = ref.lse;
-                 qkv::detail::for_each_index(t.sizes(), t.rank(), [&](const qkv::Shape& i) {
-                   const double x = t.get({i[0], i[1], i[2]});
-                   if (!std::isfinite(x)) t.set({i[0], i[1], i[2]}, 0);
-                 });
-                 return t;
-               }()));
-  EXPECT_LE(lse_fast, 2 * lse_naive + lse_floor) << label << ": lse";
-  EXPECT_EQ(mismatches, 0) << label << ": infinities or NaNs differ from the reference";
-  return fast;
-}
 
 struct SweepCase {
   std::int64_t nq, nk, hq, hkv, d;

@@ -1,0 +1,198 @@
+// Checks of the fast kernels against the reference with the tolerance
+// policy of docs/numerics.md, shared by the forward, backward and sparse
+// tests. Forward: the fast path's largest error against the reference
+// (computed in double) must be at most twice the error of the naive
+// computation in the input precision (reference::naive_attention), plus half
+// an ulp of the output's format at the output's magnitude. Backward: the
+// same for each gradient against reference::naive_attention_backward, plus
+// for dq and dk the cancellation in dS = P (dP - D): dP_ij = <dout_i, v_j>
+// and D_i = <dout_i, out_i> are sums of Dv products computed in a different
+// order by every implementation, so each dS_ij carries an error up to about
+// 2 Dv u |P_ij| max|dout| max|v| (r = 1 / (1 - p) more with dropout) even
+// where the exact dS is 0 (a row seeing a single key); through
+// dq_i = scale sum_j dS_ij k_j (sum_j P_ij = 1) and dk_j = scale sum_i dS_ij
+// q_i this bounds their error by that times scale max|k| (dq) or
+// scale max|q| max_j sum_i P_ij (dk).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "core/validate.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
+#include "reference/attention.hpp"
+#include "reference/backward.hpp"
+#include "test_util.hpp"
+
+namespace qkv::test {
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Largest |a - b| over elements where both are finite; the positions where
+// either is not finite must agree exactly (same infinity, or both NaN).
+inline double finite_diff(ConstTensorView a, ConstTensorView b, int* mismatches) {
+  double worst = 0.0;
+  qkv::detail::for_each_index(a.sizes(), a.rank(), [&](const qkv::Shape& idx) {
+    const double x =
+        qkv::detail::load(a.data(), a.dtype(), qkv::detail::offset(idx, a.strides(), a.rank()));
+    const double y =
+        qkv::detail::load(b.data(), b.dtype(), qkv::detail::offset(idx, b.strides(), b.rank()));
+    if (std::isfinite(x) && std::isfinite(y)) {
+      worst = std::max(worst, std::fabs(x - y));
+    } else if (!(x == y || (std::isnan(x) && std::isnan(y)))) {
+      ++*mismatches;
+    }
+  });
+  return worst;
+}
+
+struct Inputs {
+  Tensor q, k, v;
+};
+
+inline Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std::int64_t hq,
+                          std::int64_t hkv, std::int64_t dk, std::int64_t dv, DType dtype,
+                          std::uint32_t seed) {
+  // Values of order 1 with scores up to a few units: the regime of trained
+  // models after the 1/sqrt(D) scale.
+  return {random_tensor(dtype, {b, nq, hq, dk}, seed, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dk}, seed + 1, -1.5, 1.5),
+          random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
+}
+
+// Runs the fast backend and checks it against the reference with the
+// tolerance policy; returns the fast result.
+inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTensorView k,
+                                                     ConstTensorView v, AttentionOptions opt,
+                                                     const std::string& label) {
+  opt.return_lse = true;
+  AttentionOptions fast_opt = opt;
+  fast_opt.backend = qkv::Backend::fast;
+  const qkv::AttentionResult fast = qkv::attention(q, k, v, fast_opt);
+
+  AttentionOptions ref_opt = opt;
+  ref_opt.backend = qkv::Backend::reference;
+  const qkv::AttentionResult ref =
+      qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
+                     qkv::to_dtype(v, DType::f64), ref_opt);
+
+  const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
+  Tensor naive_out(q.dtype(), fast.out.view().size_span());
+  Tensor naive_lse(DType::f32, fast.lse.view().size_span());
+  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, q.dtype());
+
+  int mismatches = 0;
+  const double err_fast = finite_diff(fast.out, ref.out, &mismatches);
+  const double err_naive = finite_diff(naive_out, ref.out, &mismatches);
+  const double floor = unit_roundoff(q.dtype()) * max_abs(ref.out);
+  EXPECT_LE(err_fast, 2 * err_naive + floor)
+      << label << ": fast error " << err_fast << ", naive " << err_naive << ", floor " << floor;
+  const double lse_fast = finite_diff(fast.lse, ref.lse, &mismatches);
+  const double lse_naive = finite_diff(naive_lse, ref.lse, &mismatches);
+  const double lse_floor =
+      unit_roundoff(DType::f32) *
+      std::max(1.0, max_abs([&] {
+                 Tensor t = ref.lse;
+                 qkv::detail::for_each_index(t.sizes(), t.rank(), [&](const qkv::Shape& i) {
+                   const double x = t.get({i[0], i[1], i[2]});
+                   if (!std::isfinite(x)) t.set({i[0], i[1], i[2]}, 0);
+                 });
+                 return t;
+               }()));
+  EXPECT_LE(lse_fast, 2 * lse_naive + lse_floor) << label << ": lse";
+  EXPECT_EQ(mismatches, 0) << label << ": infinities or NaNs differ from the reference";
+  return fast;
+}
+
+inline Tensor f64(ConstTensorView t) { return qkv::to_dtype(t, DType::f64); }
+
+// Runs forward and backward on the fast backend, as a training step would,
+// and checks every gradient against the reference with the tolerance policy.
+// Returns the fast gradients.
+inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstTensorView k,
+                                                       ConstTensorView v, AttentionOptions opt,
+                                                       const std::string& label,
+                                                       std::uint32_t seed = 5) {
+  const DType dtype = q.dtype();
+  opt.return_lse = true;
+  AttentionOptions fast_opt = opt;
+  fast_opt.backend = qkv::Backend::fast;
+  const qkv::AttentionResult fwd = qkv::attention(q, k, v, fast_opt);
+  const Tensor dout = random_tensor(
+      dtype, {fwd.out.size(0), fwd.out.size(1), fwd.out.size(2), fwd.out.size(3)}, seed, -1.0, 1.0);
+  const qkv::AttentionGradients fast =
+      qkv::attention_backward(q, k, v, fwd.out, dout, fwd.lse, fast_opt);
+
+  // The reference: everything in double, from the same (rounded) inputs. The
+  // relative bias table is converted too, so that no input is rounded twice.
+  AttentionOptions ref_opt = opt;
+  ref_opt.backend = qkv::Backend::reference;
+  Tensor table64;
+  if (opt.relative_bias.table.defined()) {
+    table64 = f64(opt.relative_bias.table);
+    ref_opt.relative_bias.table = table64;
+  }
+  const Tensor q64 = f64(q), k64 = f64(k), v64 = f64(v), dout64 = f64(dout);
+  AttentionOptions probs_opt = ref_opt;
+  probs_opt.return_probs = true;
+  const qkv::AttentionResult ref_fwd = qkv::attention(q64, k64, v64, probs_opt);
+  const qkv::AttentionGradients ref =
+      qkv::attention_backward(q64, k64, v64, ref_fwd.out, dout64, ref_fwd.lse, ref_opt);
+
+  // The naive computation in the input precision, from its own forward.
+  const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
+  Tensor naive_out(dtype, fwd.out.view().size_span());
+  Tensor naive_lse(DType::f32, fwd.lse.view().size_span());
+  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, dtype);
+  qkv::AttentionGradients naive;
+  naive.dq = Tensor(dtype, fast.dq.view().size_span());
+  naive.dk = Tensor(dtype, fast.dk.view().size_span());
+  naive.dv = Tensor(dtype, fast.dv.view().size_span());
+  if (fast.d_relative_bias.defined()) {
+    naive.d_relative_bias = Tensor(DType::f32, fast.d_relative_bias.view().size_span());
+  }
+  qkv::reference::naive_attention_backward(
+      problem, q, k, v, naive_out, dout, naive_lse,
+      {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt, dtype);
+
+  // The cancellation floor (see the top of this file).
+  const ConstTensorView probs = ref_fwd.probs;
+  double key_mass = 0.0;  // max_j sum_i P_ij over the query heads of a KV head
+  for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
+    for (std::int64_t hk = 0; hk < problem.hkv; ++hk)
+      for (std::int64_t j = 0; j < probs.size(3); ++j) {
+        double mass = 0.0;
+        for (std::int64_t h = hk * problem.group(); h < (hk + 1) * problem.group(); ++h)
+          for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
+        key_mass = std::max(key_mass, mass);
+      }
+  const double ds_error = 2.0 * static_cast<double>(problem.dv) * unit_roundoff(DType::f32) *
+                          max_abs(dout) * max_abs(v) / (1.0 - opt.dropout_p);
+  const double dq_cancel = ds_error * problem.scale * max_abs(k);
+  const double dk_cancel = ds_error * problem.scale * max_abs(q) * key_mass;
+
+  auto check = [&](const char* name, const Tensor& f, const Tensor& r, const Tensor& n,
+                   DType out_dtype, double cancel = 0.0) {
+    EXPECT_FALSE(has_non_finite(f)) << label << ": " << name << " has NaN or inf";
+    const double err_fast = max_abs_diff(f, r);
+    const double err_naive = max_abs_diff(n, r);
+    const double floor = unit_roundoff(out_dtype) * max_abs(r) + cancel;
+    EXPECT_LE(err_fast, 2 * err_naive + floor)
+        << label << ": " << name << " fast error " << err_fast << ", naive " << err_naive
+        << ", floor " << floor;
+  };
+  check("dq", fast.dq, ref.dq, naive.dq, dtype, dq_cancel);
+  check("dk", fast.dk, ref.dk, naive.dk, dtype, dk_cancel);
+  check("dv", fast.dv, ref.dv, naive.dv, dtype);
+  if (fast.d_relative_bias.defined()) {
+    check("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, naive.d_relative_bias,
+          DType::f32);
+  }
+  return fast;
+}
+
+}  // namespace qkv::test
