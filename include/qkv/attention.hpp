@@ -35,6 +35,8 @@
 //   p_i - left <= j <= p_i + right        sliding window (-1: unbounded side)
 //   mask[b, h, i, j] == true              bool mask
 //   mask_mod(b, h, i, j) == true          user callable
+//   sparse.admits(h, i, p_i, j)           sparse pattern (qkv/sparse.hpp)
+
 // where p_i, the position of query i on the key axis, is i + (nk_b - nq_b)
 // with Align::bottom_right (FlashAttention >= 2.1, KV-cache decoding) or i
 // with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
@@ -55,6 +57,7 @@
 #include <optional>
 #include <span>
 
+#include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -110,11 +113,13 @@ struct AttentionOptions {
   std::span<const std::int64_t> cu_seqlens_q;  // [S + 1] packed query offsets; empty = dense
   std::span<const std::int64_t> cu_seqlens_k;  // [S + 1] packed key offsets; with cu_seqlens_q
   ConstTensorView mask;  // bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]
-  std::span<const float> alibi_slopes;   // [Hq], or [B * Hq] ([S * Hq] packed); empty = off
-  RelativePositionBias relative_bias;    // learned bias by relative position; off by default
-  double softcap = 0.0;                  // c > 0 applies c * tanh(s / c); 0 = off
-  ScoreMod score_mod;                    // empty = identity
-  MaskMod mask_mod;                      // empty = keep all
+  std::span<const float> alibi_slopes;  // [Hq], or [B * Hq] ([S * Hq] packed); empty = off
+  RelativePositionBias relative_bias;   // learned bias by relative position; off by default
+  double softcap = 0.0;                 // c > 0 applies c * tanh(s / c); 0 = off
+  ScoreMod score_mod;                   // empty = identity
+  MaskMod mask_mod;                     // empty = keep all
+  SparsePattern sparse;                 // sparse attention pattern; undefined = off
+
   double dropout_p = 0.0;                // probability of zeroing a weight; 0 = off, < 1
   std::uint64_t dropout_seed = 0;        // key of the dropout generator
   std::uint32_t dropout_offset = 0;      // counter offset: use a new one per call and layer

@@ -23,4 +23,5 @@
 #include "qkv/flex.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/positional.hpp"
+#include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"

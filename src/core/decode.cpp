@@ -81,6 +81,9 @@ void check_decode(ConstTensorView q, const KvCache& cache, ConstTensorView out, 
   if (o.score_mod || o.mask_mod) {
     r.push_back("options.score_mod/mask_mod: not supported by decode_attention");
   }
+  if (o.sparse.defined()) {
+    r.push_back("options.sparse: not supported by decode_attention");
+  }
   if (o.score == Score::additive)
     r.push_back("options.score: Score::additive is not supported by decode_attention");
   if (o.dropout_p != 0.0) r.push_back("options.dropout_p: decoding has no dropout");

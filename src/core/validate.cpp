@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/elements.hpp"
+#include "core/sparse.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -428,7 +429,18 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   check_scalars(options, r);
   if (!shapes_ok) throw Error(r);  // everything below reads the sizes of q, k and v
   check_score(options, p, r);
+  const std::size_t before_sequences = r.size();
   check_sequences(options, p, r);
+  if (r.size() == before_sequences && options.sparse.defined()) {
+    // Block layouts must cover every sequence (read once the offsets are valid).
+    std::vector<std::int64_t> nq, nk;
+    for (std::int64_t s = 0; s < p.sequences; ++s) {
+      const SequenceExtent e = p.sequence(s, options);
+      nq.push_back(e.nq);
+      nk.push_back(e.nk_rows);
+    }
+    check_sparse(options.sparse, p.hq, nq, nk, r);
+  }
   check_mask(options, p, r);
   check_positions(options, p, r);
   check_dropout(options, p, r);

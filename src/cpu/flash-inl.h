@@ -18,6 +18,7 @@
 
 #include "core/elements.hpp"
 #include "core/philox.hpp"
+#include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
@@ -347,6 +348,12 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
       plan.mods->mask_mod(plan.mods->context,
                           {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
     }
+    if (o.sparse.defined() && mask_partial) {
+      const detail::PatternTile tile{h, u.i0, g.positions, pos0, j0, cols};
+      if (detail::coverage(o.sparse, tile) != detail::Coverage::all) {
+        detail::mask_rejected(o.sparse, tile, s + r0, 1, rows_pad);
+      }
+    }
   }
 }
 
@@ -484,12 +491,13 @@ inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry
 }
 
 // The keys of block [j0, j0 + cols) that each row and each Q^T panel of the
-// unit can see under causal, window and key lengths, relative to j0, into
-// sc.row_keys and sc.panel_keys; rows that see none (and padding rows) get
-// the empty span {cols, 0}, which min/max unions ignore. Near the diagonal
-// this lets the micro-kernels skip the keys no row of a panel or strip sees.
+// unit can see under causal, window and key lengths (and, with `pattern`,
+// the sparse pattern), relative to j0, into sc.row_keys and sc.panel_keys;
+// rows that see none (and padding rows) get the empty span {cols, 0}, which
+// min/max unions ignore. Near the diagonal (or the pattern's edges) this
+// lets the micro-kernels skip the keys no row of a panel or strip sees.
 inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                          std::int64_t j0, std::int64_t cols, Scratch& sc) {
+                          std::int64_t j0, std::int64_t cols, bool pattern, Scratch& sc) {
   const std::int64_t nr = PanelWidth();
   const std::int64_t rows = g.rows();
   const std::int64_t panels = RoundUp(rows, nr) / nr;
@@ -498,9 +506,16 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
     for (std::int64_t r = pi * nr; r < (pi + 1) * nr; ++r) {
       KeySpan span{cols, 0};
       if (r < rows) {
-        const KeyRange kr = RangeFor(*plan.options, u.i0 + r % g.positions + g.offset, g.seq.nk);
-        const std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
-        const std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
+        const std::int64_t i = u.i0 + r % g.positions;
+        const KeyRange kr = RangeFor(*plan.options, i + g.offset, g.seq.nk);
+        std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
+        std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
+        if (pattern) {
+          const detail::KeyInterval keys = detail::row_key_span(
+              plan.options->sparse, u.hkv * g.group + r / g.positions, i, i + g.offset, j0, cols);
+          begin = std::max(begin, keys.begin - j0);
+          end = std::min(end, keys.end - j0);
+        }
         if (begin < end) span = {begin, end};
       }
       sc.row_keys[static_cast<std::size_t>(r)] = span;
@@ -513,7 +528,8 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
 
 // Calls f(j0, cols, row_keys) for each key block that the unit's masks leave
 // open, with the block's scores, biased and masked, in sc.s as S^T. When the
-// range mask cuts into the block, row_keys holds each row's visible keys
+// range mask or a sparse pattern cuts into the block, the block is narrowed
+// to the keys some row sees, row_keys holds each row's visible keys
 // (BlockKeySpans) and scores outside a panel's span are not computed (they
 // are masked); otherwise it is null.
 template <class F>
@@ -524,17 +540,32 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
   for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
     // Keys of the block that some row of the unit may attend to. Trimming
     // changes no row's grouping of its admitted keys, so results stay the same.
-    const std::int64_t j0 = std::max(jb * bk, span.first.lo);
-    const std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
+    std::int64_t j0 = std::max(jb * bk, span.first.lo);
+    std::int64_t cols = std::min({(jb + 1) * bk, g.seq.nk_rows, span.last.hi}) - j0;
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
     const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-    if (range_partial) BlockKeySpans(plan, u, g, j0, cols, sc);
-    BlockScores(plan, u, g, shape, cache, j0, cols, range_partial ? sc.panel_keys.data() : nullptr,
-                sc);
+    const bool pattern_cut = plan.options->sparse.defined() && mask_class == BlockClass::partial;
+    const bool spans = range_partial || pattern_cut;
+    if (spans) {
+      BlockKeySpans(plan, u, g, j0, cols, pattern_cut, sc);
+      KeySpan used{cols, 0};
+      for (std::int64_t pi = 0; pi < RoundUp(g.rows(), PanelWidth()) / PanelWidth(); ++pi) {
+        const KeySpan panel = sc.panel_keys[static_cast<std::size_t>(pi)];
+        used.begin = std::min(used.begin, panel.begin);
+        used.end = std::max(used.end, panel.end);
+      }
+      if (used.begin >= used.end) continue;  // no row sees a key of the block
+      if (used.begin > 0 || used.end < cols) {
+        j0 += used.begin;
+        cols = used.end - used.begin;
+        BlockKeySpans(plan, u, g, j0, cols, pattern_cut, sc);
+      }
+    }
+    BlockScores(plan, u, g, shape, cache, j0, cols, spans ? sc.panel_keys.data() : nullptr, sc);
     ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial,
                   sc.s.get(), shape.rows_pad);
-    f(j0, cols, range_partial ? sc.row_keys.data() : nullptr);
+    f(j0, cols, spans ? sc.row_keys.data() : nullptr);
   }
 }
 

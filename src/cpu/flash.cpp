@@ -44,6 +44,7 @@ HWY_AFTER_NAMESPACE();
 #include <cstdlib>
 
 #include "core/elements.hpp"
+#include "core/sparse.hpp"
 #include "qkv/positional.hpp"
 
 namespace qkv::cpu {
@@ -78,8 +79,9 @@ std::vector<float> to_floats(ConstTensorView t, std::size_t padded_size = 0) {
   return x;
 }
 
-// Classifies the explicit masks (bool mask, mask_mod) over one block of one
-// unit: empty if they admit nothing, full if they admit everything.
+// Classifies the explicit masks (bool mask, mask_mod, sparse pattern) over
+// one block of one unit: empty if they admit nothing, full if they admit
+// everything.
 BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o,
                     const detail::TileMods& mods, const detail::SequenceExtent& seq, const Unit& u,
                     std::int64_t j0, std::int64_t cols) {
@@ -106,6 +108,14 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
           mods.admitted(mods.context, {nullptr, 0, 0, u.s, h, u.i0, u.positions, j0, cols});
       if (n == 0) admitted = 0;
       if (n < total) all_full = false;
+    }
+    if (o.sparse.defined()) {
+      // From the pattern's parameters: no element is evaluated here.
+      const std::int64_t offset = o.align == Align::bottom_right ? seq.nk - seq.nq : 0;
+      const detail::Coverage c =
+          detail::coverage(o.sparse, {h, u.i0, u.positions, u.i0 + offset, j0, cols});
+      if (c == detail::Coverage::none) admitted = 0;
+      if (c != detail::Coverage::all) all_full = false;
     }
     if (admitted > 0) all_empty = false;
     if (admitted < total) all_full = false;
@@ -164,7 +174,7 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
   plan.positions_per_unit = std::max<std::int64_t>(1, plan.config.rows / group);
 
   const bool classify_blocks = (options.mask.defined() && options.mask.dtype() == DType::boolean) ||
-                               mods.admitted != nullptr;
+                               mods.admitted != nullptr || options.sparse.defined();
   std::int64_t blocks = 0;
   const std::int64_t threads = omp_get_max_threads();
   const std::int64_t heads = std::max<std::int64_t>(problem.sequences * problem.hkv, 1);

@@ -54,8 +54,8 @@ struct FlashPlan {
   std::int64_t positions_per_unit = 0;
   std::vector<Unit> units;  // grouped by (sequence, KV head), positions ascending
   std::vector<Task> tasks;
-  // Per unit, per key block (empty when no bool mask and no mask_mod):
-  // classification of the explicit masks.
+    // Per unit, per key block (empty when no bool mask, mask_mod or sparse
+  // pattern): classification of those explicit masks.
   std::vector<BlockClass> block_class;
   // Score::additive parameters in f32: W_q [A][Dq], W_k [A][Dk], bias [A]
   // (empty if none), v [A rounded up to 16] zero-padded.
@@ -66,7 +66,8 @@ struct FlashPlan {
 };
 
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
-// once), the relative bias table; tile sizes from `config`.
+// once, sparse patterns from their parameters), the relative bias table;
+// tile sizes from `config`.
 FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
                     ConstTensorView v, TensorView out, TensorView lse, TensorView probs,

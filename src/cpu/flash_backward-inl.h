@@ -233,9 +233,12 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   const std::int64_t rows_used = RoundUp(rows, PanelWidth());
   const std::int64_t bk = plan.config.keys;
 
-  if (range_partial) BlockKeySpans(plan, u, g, j0, cols, sc);
-  const KeySpan* panel_keys = range_partial ? sc.panel_keys.data() : nullptr;
-  const KeySpan* row_keys = range_partial ? sc.row_keys.data() : nullptr;
+  // Only the keys each row sees are computed (the rest are masked).
+  const bool pattern_cut = o.sparse.defined() && mask_partial;
+  const bool spans = range_partial || pattern_cut;
+  if (spans) BlockKeySpans(plan, u, g, j0, cols, pattern_cut, sc);
+  const KeySpan* panel_keys = spans ? sc.panel_keys.data() : nullptr;
+  const KeySpan* row_keys = spans ? sc.row_keys.data() : nullptr;
 
   float* s = sc.s.get();
   float* dp = b.dp.get();

@@ -1,0 +1,54 @@
+// What the kernels and validation need from a SparsePattern: per-tile
+// coverage (decided from the pattern's parameters, never element by
+// element), per-tile element masks, and the checks against a problem.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qkv/sparse.hpp"
+
+namespace qkv::detail {
+
+// A rectangle of (query row, key) pairs of one query head: rows i0 .. i0 +
+// rows - 1 at key-axis positions p0 .. p0 + rows - 1, keys j0 .. j0 + cols - 1.
+struct PatternTile {
+  std::int64_t h = 0;
+  std::int64_t i0 = 0, rows = 0;
+  std::int64_t p0 = 0;
+  std::int64_t j0 = 0, cols = 0;
+};
+
+// How much of a tile a pattern admits. `some` may also be returned for a
+// tile that is in fact empty or full (it is always safe), never the reverse.
+enum class Coverage : std::uint8_t { none, some, all };
+
+Coverage coverage(const SparsePattern& pattern, const PatternTile& tile);
+
+// Keys [begin, end) (empty when begin >= end).
+struct KeyInterval {
+  std::int64_t begin = 0, end = 0;
+};
+
+// An interval of keys of [j0, j0 + cols) holding every key that row i (at
+// position p) of head h may attend to: exact for windows, global tokens and
+// layouts, at worst the whole range. The kernels compute only these keys.
+KeyInterval row_key_span(const SparsePattern& pattern, std::int64_t h, std::int64_t i,
+                         std::int64_t p, std::int64_t j0, std::int64_t cols);
+
+// keep[c * tile.rows + r] = whether row r may attend to key c of the tile.
+void fill_admitted(const SparsePattern& pattern, const PatternTile& tile, std::uint8_t* keep);
+
+// Sets scores[r * query_stride + c * key_stride] to -inf for every pair of
+// the tile the pattern rejects.
+void mask_rejected(const SparsePattern& pattern, const PatternTile& tile, float* scores,
+                   std::int64_t query_stride, std::int64_t key_stride);
+
+// Appends a reason for each block layout of the pattern that does not fit
+// `hq` query heads or does not cover a sequence of nq[s] rows and nk[s] keys.
+void check_sparse(const SparsePattern& pattern, std::int64_t hq,
+                  const std::vector<std::int64_t>& nq, const std::vector<std::int64_t>& nk,
+                  std::vector<std::string>& reasons);
+
+}  // namespace qkv::detail
