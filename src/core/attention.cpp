@@ -2,6 +2,7 @@
 #include "qkv/attention.hpp"
 
 #include "core/dispatch.hpp"
+#include "core/sparse.hpp"
 #include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -17,6 +18,23 @@ void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensor
          const detail::TileMods* mods) {
   if (!detail::use_fast_kernels(options, problem.dtype)) {
     reference::attention(problem, q, k, v, outputs, options);
+    return;
+  }
+  if (const detail::DilatedSplit split = detail::dilated_split(problem, options);
+      split.dilation > 1 && mods == nullptr && !outputs.probs.defined()) {
+    // One dense window problem per residue class (see dilated_split).
+    AttentionOptions window = options;
+    window.sparse = {};
+    window.window_left = split.left;
+    window.window_right = split.right;
+    for (std::int64_t c = 0; c < std::min(split.dilation, problem.nq); ++c) {
+      const auto rows = [&](auto t, int dim) {
+        return detail::every_nth(t, dim, c, split.dilation);
+      };
+      const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
+      run(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
+          {rows(outputs.out, 1), rows(outputs.lse, 2), {}}, window, nullptr);
+    }
     return;
   }
   // Without inlined callables, tile hooks that call the std::function

@@ -3,6 +3,7 @@
 
 #include "core/dispatch.hpp"
 #include "core/philox.hpp"
+#include "core/sparse.hpp"
 #include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -18,6 +19,26 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
   // backward runs the reference.
   if (!detail::use_fast_kernels(o, p.dtype, o.score != Score::additive)) {
     reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
+    return;
+  }
+  if (const detail::DilatedSplit split = detail::dilated_split(p, o); split.dilation > 1) {
+    // One dense window problem per residue class (see dilated_split).
+    AttentionOptions window = o;
+    window.sparse = {};
+    window.window_left = split.left;
+    window.window_right = split.right;
+    for (std::int64_t c = 0; c < std::min(split.dilation, p.nq); ++c) {
+      const auto rows = [&](auto t, int dim) {
+        return detail::every_nth(t, dim, c, split.dilation);
+      };
+      const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
+      GradientOutputs gc = grads;
+      gc.dq = rows(grads.dq, 1);
+      gc.dk = rows(grads.dk, 1);
+      gc.dv = rows(grads.dv, 1);
+      run(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc, rows(out, 1),
+          rows(dout, 1), rows(lse, 2), gc, window);
+    }
     return;
   }
   // mask_mod through std::function, one call per element of partial tiles.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/validate.hpp"
 #include "qkv/sparse.hpp"
 
 namespace qkv::detail {
@@ -50,5 +51,33 @@ void mask_rejected(const SparsePattern& pattern, const PatternTile& tile, float*
 void check_sparse(const SparsePattern& pattern, std::int64_t hq,
                   const std::vector<std::int64_t>& nq, const std::vector<std::int64_t>& nk,
                   std::vector<std::string>& reasons);
+
+// A dilated window alone is, for each residue class c of the dilation r, a
+// plain sliding window over rows c, c + r, c + 2r, ... of q, k and v (with
+// d = p - j = r (t - s) for class indices t, s): r window problems on
+// strided views, in which no masked pair is computed. That holds when
+// nothing else depends on positions or indices: a dense batch with Nq == Nk,
+// no key lengths, masks, callables, ALiBi, relative bias, window options or
+// dropout. `dilation` is 0 when the split does not apply.
+struct DilatedSplit {
+  std::int64_t dilation = 0;
+  std::int64_t left = 0, right = 0;  // the window in class indices
+};
+DilatedSplit dilated_split(const AttentionProblem& problem, const AttentionOptions& options);
+
+// Rows start, start + step, ... of dimension `dim` of t (no copy).
+template <bool Const>
+BasicTensorView<Const> every_nth(const BasicTensorView<Const>& t, int dim, std::int64_t start,
+                                 std::int64_t step) {
+  if (!t.defined()) return t;
+  Shape sizes = t.sizes(), strides = t.strides();
+  sizes[dim] = start < t.size(dim) ? (t.size(dim) - start + step - 1) / step : 0;
+  strides[dim] = t.stride(dim) * step;
+  const auto bytes = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  auto* base = static_cast<std::conditional_t<Const, const std::byte*, std::byte*>>(t.data());
+  return BasicTensorView<Const>(sizes[dim] > 0 ? base + start * t.stride(dim) * bytes : base,
+                                t.dtype(), std::span<const std::int64_t>(sizes.data(), t.rank()),
+                                std::span<const std::int64_t>(strides.data(), t.rank()));
+}
 
 }  // namespace qkv::detail
