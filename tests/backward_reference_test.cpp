@@ -281,6 +281,11 @@ const Case kCases[] = {
          return (b + 2 * h + i + 3 * j) % 4 != 0;
        };
      }},
+    {"SparsePatterns", kDefault,
+     [](Problem& x) {
+       x.options.sparse =
+           qkv::SparsePattern::dilated_window(2, 1, 2) | qkv::SparsePattern::global_tokens({1});
+     }},
     {"Dropout", kDefault,
      [](Problem& x) {
        x.options.dropout_p = 0.3;
