@@ -23,10 +23,7 @@ void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensor
   if (const detail::DilatedSplit split = detail::dilated_split(problem, options);
       split.dilation > 1 && mods == nullptr && !outputs.probs.defined()) {
     // One dense window problem per residue class (see dilated_split).
-    AttentionOptions window = options;
-    window.sparse = {};
-    window.window_left = split.left;
-    window.window_right = split.right;
+    const AttentionOptions window = split.window_options(options);
     for (std::int64_t c = 0; c < std::min(split.dilation, problem.nq); ++c) {
       const auto rows = [&](auto t, int dim) {
         return detail::every_nth(t, dim, c, split.dilation);

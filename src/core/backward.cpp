@@ -23,10 +23,7 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
   }
   if (const detail::DilatedSplit split = detail::dilated_split(p, o); split.dilation > 1) {
     // One dense window problem per residue class (see dilated_split).
-    AttentionOptions window = o;
-    window.sparse = {};
-    window.window_left = split.left;
-    window.window_right = split.right;
+    const AttentionOptions window = split.window_options(o);
     for (std::int64_t c = 0; c < std::min(split.dilation, p.nq); ++c) {
       const auto rows = [&](auto t, int dim) {
         return detail::every_nth(t, dim, c, split.dilation);

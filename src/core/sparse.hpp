@@ -62,6 +62,14 @@ void check_sparse(const SparsePattern& pattern, std::int64_t hq,
 struct DilatedSplit {
   std::int64_t dilation = 0;
   std::int64_t left = 0, right = 0;  // the window in class indices
+
+  // The options of each class's problem: the window instead of the pattern.
+  AttentionOptions window_options(AttentionOptions options) const {
+    options.sparse = {};
+    options.window_left = left;
+    options.window_right = right;
+    return options;
+  }
 };
 DilatedSplit dilated_split(const AttentionProblem& problem, const AttentionOptions& options);
 

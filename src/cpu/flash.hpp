@@ -54,7 +54,7 @@ struct FlashPlan {
   std::int64_t positions_per_unit = 0;
   std::vector<Unit> units;  // grouped by (sequence, KV head), positions ascending
   std::vector<Task> tasks;
-    // Per unit, per key block (empty when no bool mask, mask_mod or sparse
+  // Per unit, per key block (empty when no bool mask, mask_mod or sparse
   // pattern): classification of those explicit masks.
   std::vector<BlockClass> block_class;
   // Score::additive parameters in f32: W_q [A][Dq], W_k [A][Dk], bias [A]

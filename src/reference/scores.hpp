@@ -130,7 +130,7 @@ bool key_admitted(const HeadContext<Real>& c, std::int64_t i, std::int64_t j) {
       mask_at(o.mask, c.seq.batch, c.h, c.seq.q_begin + i, c.seq.k_begin + j) == 0.0) {
     return false;
   }
-    if (o.mask_mod && !o.mask_mod(c.s, c.h, i, j)) return false;
+  if (o.mask_mod && !o.mask_mod(c.s, c.h, i, j)) return false;
   return o.sparse.admits(c.h, i, pos, j);
 }
 
