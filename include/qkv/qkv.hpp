@@ -22,6 +22,7 @@
 #include "qkv/error.hpp"
 #include "qkv/flex.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/linear.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"

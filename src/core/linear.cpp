@@ -1,0 +1,401 @@
+// Entry points of linear attention: validate (every problem gathered into one
+// qkv::Error), allocate, dispatch once to the reference or the fast kernels.
+#include "core/linear.hpp"
+
+#include <charconv>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/elements.hpp"
+#include "core/validate.hpp"
+#include "cpu/linear.hpp"
+#include "reference/linear.hpp"
+
+namespace qkv {
+namespace detail {
+namespace {
+
+using Reasons = std::vector<std::string>;
+using std::to_string;
+
+// The longest chunk the fast kernels take: their per-thread scratch holds a
+// few chunk x chunk tiles.
+constexpr std::int64_t kMaxChunk = 1024;
+
+std::string str(DType d) { return std::string(dtype_name(d)); }
+std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
+
+// Shortest text that reads back as x ("1e-06", "-inf", "nan").
+std::string num(double x) {
+  char text[32];
+  return {text, std::to_chars(text, text + sizeof text, x).ptr};
+}
+
+// A required rank-4 input: defined, of rank 4 and backed by memory.
+bool check_input(const char* name, ConstTensorView t, Reasons& r) {
+  if (!t.defined()) {
+    r.push_back(std::string(name) + ": required tensor is undefined");
+    return false;
+  }
+  if (t.rank() != 4) {
+    r.push_back(std::string(name) + ": expected rank 4, got rank " + to_string(t.rank()) +
+                " with sizes " + shape_of(t));
+    return false;
+  }
+  return check_memory(name, t, r);
+}
+
+void check_size(const char* name, ConstTensorView t, int dim, const char* what,
+                std::int64_t expected, const std::string& source, Reasons& r) {
+  if (t.size(dim) != expected) {
+    r.push_back(std::string(name) + ": expected " + what + " (dim " + to_string(dim) + ") " +
+                to_string(expected) + " to match " + source + ", got " + to_string(t.size(dim)) +
+                " (sizes " + shape_of(t) + ")");
+  }
+}
+
+// A view the call writes or reads whole (out, dout, gradients, state): defined,
+// exact sizes and dtype, backed; outputs also must not overlap themselves or
+// any view in `others`.
+void check_view(const char* name, ConstTensorView t, std::vector<std::int64_t> sizes, DType dtype,
+                bool output, std::span<const ConstTensorView> others,
+                std::span<const char* const> other_names, Reasons& r) {
+  if (!t.defined()) {
+    r.push_back(std::string(name) + ": required tensor is undefined");
+    return;
+  }
+  bool same = t.rank() == static_cast<int>(sizes.size());
+  for (std::size_t d = 0; same && d < sizes.size(); ++d) {
+    same = t.size(static_cast<int>(d)) == sizes[d];
+  }
+  if (!same) {
+    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
+                shape_of(t));
+  }
+  if (t.dtype() != dtype) {
+    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
+  }
+  if (!check_memory(name, t, r) || !output) return;
+  if (const std::string reason = self_overlap_reason(t); !reason.empty()) {
+    r.push_back(std::string(name) + ": " + reason);
+  }
+  const ByteRange range = byte_range(t);
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    if (others[i].defined() && range.overlaps(byte_range(others[i]))) {
+      r.push_back(std::string(name) + ": memory overlaps " + other_names[i] +
+                  " (outputs must not alias an input or another output)");
+    }
+  }
+}
+
+void check_tensors(ConstTensorView q, ConstTensorView k, ConstTensorView v, LinearProblem& p,
+                   Reasons& r) {
+  const bool q_ok = check_input("q", q, r);
+  const bool k_ok = check_input("k", k, r);
+  const bool v_ok = check_input("v", v, r);
+  if (q.defined() && !is_floating(q.dtype())) {
+    r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
+  }
+  for (auto [name, t] : {std::pair{"k", k}, {"v", v}}) {
+    if (t.defined() && q.defined() && t.dtype() != q.dtype()) {
+      r.push_back(std::string(name) + ": expected dtype " + str(q.dtype()) +
+                  " (the dtype of q), got " + str(t.dtype()));
+    }
+  }
+  if (!(q_ok && k_ok && v_ok)) return;
+  p.batch = q.size(0);
+  p.nq = q.size(1);
+  p.hq = q.size(2);
+  p.d = q.size(3);
+  p.nk = k.size(1);
+  p.hkv = k.size(2);
+  p.dv = v.size(3);
+  p.dtype = q.dtype();
+  p.state_dtype = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const std::string qb = "q's batch " + to_string(p.batch);
+  check_size("k", k, 0, "batch size", p.batch, qb, r);
+  check_size("v", v, 0, "batch size", p.batch, qb, r);
+  check_size("k", k, 3, "head dim", p.d, "q's " + to_string(p.d), r);
+  check_size("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
+  check_size("v", v, 2, "KV heads", p.hkv, "k's " + to_string(p.hkv), r);
+  if (p.dv == 0) {
+    r.push_back("v: expected head dim Dv (dim 3) >= 1, got 0 (sizes " + shape_of(v) + ")");
+  }
+  if (p.hkv == 0 && p.hq > 0) {
+    r.push_back("k: expected at least 1 KV head for " + to_string(p.hq) +
+                " query heads, got 0 (sizes " + shape_of(k) + ")");
+  } else if (p.hkv > 0 && p.hq % p.hkv != 0) {
+    r.push_back("q: query heads Hq = " + to_string(p.hq) +
+                " must be a multiple of the KV heads Hkv = " + to_string(p.hkv) +
+                " (grouped-query attention shares each KV head among Hq / Hkv query heads)");
+  }
+}
+
+void check_options(const LinearAttentionOptions& o, LinearProblem& p, Reasons& r) {
+  const CustomFeatureMap& c = o.custom;
+  switch (o.feature_map) {
+    case FeatureMap::elu_plus_one:
+    case FeatureMap::relu:
+      p.features = p.d;
+      if (c.features != 0 || c.map || c.vjp) {
+        r.push_back(
+            "options.custom: given, but feature_map is not FeatureMap::custom (set "
+            "feature_map = FeatureMap::custom to use it)");
+      }
+      if (p.d == 0) {
+        r.push_back(
+            "q: head dim D = 0 leaves the built-in feature maps without features (M = D); "
+            "expected D >= 1");
+      }
+      break;
+    case FeatureMap::custom:
+      p.features = c.features;
+      if (c.features < 1) {
+        r.push_back("options.custom.features: expected the feature count M >= 1, got " +
+                    to_string(c.features));
+      }
+      if (!c.map) r.push_back("options.custom.map: required for FeatureMap::custom, got none");
+      break;
+    default:
+      r.push_back("options.feature_map: unknown value " +
+                  to_string(static_cast<int>(o.feature_map)));
+  }
+  if (o.causal && p.nq != p.nk) {
+    r.push_back("options.causal: causal linear attention needs as many queries as keys, got Nq = " +
+                to_string(p.nq) + " and Nk = " + to_string(p.nk) +
+                " (to continue after a prefix of keys, run the prefix causally for its state "
+                "and use linear_attention_step)");
+  }
+  if (!std::isfinite(o.eps) || o.eps < 0.0) {
+    r.push_back("options.eps: expected a finite number >= 0, got " + num(o.eps));
+  }
+  if (o.chunk < 1 || o.chunk > kMaxChunk) {
+    r.push_back("options.chunk: expected 1 to " + to_string(kMaxChunk) + ", got " +
+                to_string(o.chunk));
+  }
+  switch (o.backend) {
+    case Backend::automatic:
+    case Backend::reference:
+      break;
+    case Backend::fast:
+      if (p.dtype == DType::f64) {
+        r.push_back(
+            "options.backend: Backend::fast computes in f32 and takes f32, f16 or bf16 inputs, "
+            "got f64 (use Backend::reference or Backend::automatic)");
+      }
+      break;
+    default:
+      r.push_back("options.backend: unknown value " + to_string(static_cast<int>(o.backend)));
+  }
+}
+
+void throw_if(const Reasons& r) {
+  if (!r.empty()) throw Error(r);
+}
+
+// The sizes of a validated problem's state: s, then z.
+std::vector<std::int64_t> state_sizes(const LinearProblem& p) {
+  return {p.batch, p.hkv, p.features, p.dv};
+}
+std::vector<std::int64_t> sum_sizes(const LinearProblem& p) { return {p.batch, p.hkv, p.features}; }
+
+// out, and the state when given, against a validated problem.
+void check_outputs(const LinearProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                   ConstTensorView out, const LinearAttentionState* state, Reasons& r) {
+  const ConstTensorView views[] = {q, k, v, out,
+                                   state != nullptr ? state->s.view() : ConstTensorView()};
+  const char* const names[] = {"q", "k", "v", "out", "state.s"};
+  check_view("out", out, {p.batch, p.nq, p.hq, p.dv}, p.dtype, true, std::span(views, 3), names, r);
+  if (state == nullptr) return;
+  check_view("state.s", state->s, state_sizes(p), p.state_dtype, true, std::span(views, 4), names,
+             r);
+  check_view("state.z", state->z, sum_sizes(p), p.state_dtype, true, std::span(views, 5), names, r);
+}
+
+// Checks q, k, v and the options, appending reasons; false when the shapes of
+// q, k and v are unusable, so that no later check may read them.
+bool check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                  const LinearAttentionOptions& options, LinearProblem& p, Reasons& r) {
+  const std::size_t before = r.size();
+  check_tensors(q, k, v, p, r);
+  if (r.size() != before) return false;
+  check_options(options, p, r);
+  return true;
+}
+
+}  // namespace
+
+LinearProblem check_linear_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                  const LinearAttentionOptions& options) {
+  LinearProblem p;
+  Reasons r;
+  check_inputs(q, k, v, options, p, r);
+  throw_if(r);
+  return p;
+}
+
+bool use_fast_linear(const LinearAttentionOptions& options, DType dtype) {
+  return options.backend == Backend::fast ||
+         (options.backend == Backend::automatic && dtype != DType::f64);
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::LinearProblem;
+using detail::LinearStates;
+
+void run_forward(const LinearProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                 TensorView out, const LinearAttentionOptions& o, const LinearStates& states) {
+  if (!detail::use_fast_linear(o, p.dtype)) {
+    reference::linear_attention(p, q, k, v, out, o, states);
+    return;
+  }
+  cpu::linear_forward(cpu::make_linear_plan(p, o, q, k, v, out, states));
+}
+
+LinearStates final_state_of(LinearAttentionState* state) {
+  if (state == nullptr) return {};
+  return {{}, {}, state->s, state->z};
+}
+
+}  // namespace
+
+LinearAttentionState linear_attention_state(std::int64_t batch, std::int64_t kv_heads,
+                                            std::int64_t features, std::int64_t value_dim,
+                                            DType dtype) {
+  if (dtype != DType::f32 && dtype != DType::f64) {
+    throw Error("linear_attention_state: expected dtype f32 (f64 for f64 inputs), got " +
+                std::string(dtype_name(dtype)));
+  }
+  return {Tensor(dtype, {batch, kv_heads, features, value_dim}),
+          Tensor(dtype, {batch, kv_heads, features})};
+}
+
+LinearAttentionResult linear_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                       const LinearAttentionOptions& options) {
+  LinearProblem p;
+  std::vector<std::string> r;
+  if (detail::check_inputs(q, k, v, options, p, r) && options.return_state && !options.causal) {
+    r.push_back(
+        "options.return_state: only a causal pass has a state to continue from (set causal = "
+        "true, or return_state = false)");
+  }
+  detail::throw_if(r);
+  LinearAttentionResult result;
+  result.out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+  if (options.return_state) {
+    result.state = linear_attention_state(p.batch, p.hkv, p.features, p.dv, p.state_dtype);
+  }
+  run_forward(p, q, k, v, result.out, options,
+              final_state_of(options.return_state ? &result.state : nullptr));
+  return result;
+}
+
+void linear_attention_into(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                           const LinearAttentionOptions& options,
+                           LinearAttentionState* final_state) {
+  LinearProblem p;
+  std::vector<std::string> r;
+  if (detail::check_inputs(q, k, v, options, p, r)) {
+    if (final_state != nullptr && !options.causal) {
+      r.push_back(
+          "final_state: only a causal pass has a state to continue from (set options.causal = "
+          "true, or pass no state)");
+    }
+    detail::check_outputs(p, q, k, v, out, final_state, r);
+  }
+  detail::throw_if(r);
+  run_forward(p, q, k, v, out, options, final_state_of(final_state));
+}
+
+void linear_attention_step_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                LinearAttentionState& state, TensorView out,
+                                const LinearAttentionOptions& options) {
+  LinearProblem p;
+  std::vector<std::string> r;
+  if (detail::check_inputs(q, k, v, options, p, r)) {
+    if (!options.causal) {
+      r.push_back(
+          "options.causal: linear_attention_step continues a causal pass; expected causal = "
+          "true (the options of the prefill)");
+    }
+    detail::check_outputs(p, q, k, v, out, &state, r);
+  }
+  detail::throw_if(r);
+  run_forward(p, q, k, v, out, options, {state.s, state.z, state.s, state.z});
+}
+
+Tensor linear_attention_step(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                             LinearAttentionState& state, const LinearAttentionOptions& options) {
+  const LinearProblem p = detail::check_linear_inputs(q, k, v, options);
+  Tensor out(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+  linear_attention_step_into(q, k, v, state, out, options);
+  return out;
+}
+
+namespace {
+
+void run_backward(const LinearProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                  ConstTensorView dout, const LinearAttentionGradientOutputs& g,
+                  const LinearAttentionOptions& o) {
+  if (!detail::use_fast_linear(o, p.dtype)) {
+    reference::linear_attention_backward(p, q, k, v, dout, g, o);
+    return;
+  }
+  cpu::linear_backward(cpu::make_linear_plan(p, o, q, k, v, {}, {}), dout, g);
+}
+
+// The inputs, dout and the options' derivative; with `grads`, the gradient
+// views too. Throws qkv::Error listing every problem.
+LinearProblem check_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                             ConstTensorView dout, const LinearAttentionGradientOutputs* grads,
+                             const LinearAttentionOptions& o) {
+  LinearProblem p;
+  std::vector<std::string> r;
+  if (!detail::check_inputs(q, k, v, o, p, r)) detail::throw_if(r);
+  const ConstTensorView views[] = {
+      q, k, v, dout, grads ? grads->dq : TensorView(), grads ? grads->dk : TensorView()};
+  const char* const names[] = {"q", "k", "v", "dout", "dq", "dk"};
+  detail::check_view("dout", dout, {p.batch, p.nq, p.hq, p.dv}, p.dtype, false, {}, {}, r);
+  if (o.feature_map == FeatureMap::custom && !o.custom.vjp) {
+    r.push_back(
+        "options.custom.vjp: the backward needs the feature map's vector-Jacobian product "
+        "(dx = J_phi(x)^T dphi), got none");
+  }
+  if (grads != nullptr) {
+    detail::check_view("dq", grads->dq, {p.batch, p.nq, p.hq, p.d}, p.dtype, true,
+                       std::span(views, 4), names, r);
+    detail::check_view("dk", grads->dk, {p.batch, p.nk, p.hkv, p.d}, p.dtype, true,
+                       std::span(views, 5), names, r);
+    detail::check_view("dv", grads->dv, {p.batch, p.nk, p.hkv, p.dv}, p.dtype, true,
+                       std::span(views, 6), names, r);
+  }
+  detail::throw_if(r);
+  return p;
+}
+
+}  // namespace
+
+LinearAttentionGradients linear_attention_backward(ConstTensorView q, ConstTensorView k,
+                                                   ConstTensorView v, ConstTensorView dout,
+                                                   const LinearAttentionOptions& options) {
+  const LinearProblem p = check_backward(q, k, v, dout, nullptr, options);
+  LinearAttentionGradients g{Tensor(p.dtype, {p.batch, p.nq, p.hq, p.d}),
+                             Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.d}),
+                             Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.dv})};
+  run_backward(p, q, k, v, dout, {g.dq, g.dk, g.dv}, options);
+  return g;
+}
+
+void linear_attention_backward_into(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                    ConstTensorView dout,
+                                    const LinearAttentionGradientOutputs& grads,
+                                    const LinearAttentionOptions& options) {
+  const LinearProblem p = check_backward(q, k, v, dout, &grads, options);
+  run_backward(p, q, k, v, dout, grads, options);
+}
+
+}  // namespace qkv
