@@ -10,15 +10,16 @@
 namespace qkv::tools {
 
 struct BenchOptions {
-  std::string suite = "forward";  // "forward", "backward", "decode" or "all" (each in turn)
-  std::string filter;             // run the cases whose name std::regex_search matches
-  bool json = false;              // one JSON object per line instead of a table
-  bool list = false;              // print the selected case names, run nothing
-  bool live_progress = false;     // rewrite one progress line in place (a terminal)
-  bool check = false;             // compare the baseline's outputs with qkv's
-  int threads = 1;                // OpenMP threads for every implementation and the probe
-  int repeats = 5;                // timed runs per case, after one warm-up run
-  int shrink = 1;                 // divide every sequence (and cache) length by this
+  // "forward", "backward", "decode", "all" (those three in turn) or "scaling"
+  std::string suite = "forward";
+  std::string filter;          // run the cases whose name std::regex_search matches
+  bool json = false;           // one JSON object per line instead of a table
+  bool list = false;           // print the selected case names, run nothing
+  bool live_progress = false;  // rewrite one progress line in place (a terminal)
+  bool check = false;          // compare the baseline's outputs with qkv's
+  int threads = 1;             // OpenMP threads for every implementation and the probe
+  int repeats = 5;             // timed runs per case, after one warm-up run
+  int shrink = 1;              // divide every sequence (and cache) length by this
 };
 
 // Runs the selected cases, writing results to `out` and one progress line per
@@ -29,5 +30,13 @@ struct BenchOptions {
 // memory is skipped with a line on `progress`. Throws qkv::Error for an
 // unknown suite, a bad filter or shrink, or an error of the kernels.
 int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
+
+// Suite "scaling" (run_bench calls it): time against N = 1024 .. 65536 (H = 8,
+// D = 64, f32) for dense causal attention, a causal window of 512 keys, a
+// dilated causal window (256 keys, every second one), a BigBird block-sparse
+// layout and causal linear attention, then each curve's log-log slope fitted
+// over N >= 4096. --json: one object per point (suite, name, variant, N,
+// seconds, gflops, fraction_of_peak, ...) and one per curve (variant, slope).
+int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
 
 }  // namespace qkv::tools

@@ -41,13 +41,18 @@ int main(int argc, char** argv) {
       "(no baseline): GB/s of cached keys and values read, against a read\n"
       "bandwidth probe (all threads streaming a buffer far larger than the\n"
       "L3 cache) of the same run, and tokens/s.\n"
+      "Suite scaling times N = 1024 .. 65536 (H = 8, D = 64, f32) for dense\n"
+      "causal attention, a causal window of 512, a dilated window, a BigBird\n"
+      "layout and causal linear attention, and prints each curve's log-log\n"
+      "slope over N >= 4096 (not part of suite all: dense causal at N = 65536\n"
+      "alone takes about a minute).\n"
       "Progress goes to stderr; results to stdout. Exits 1 if no case matches,\n"
       "3 if --check fails.");
   qkv::tools::BenchOptions bench_options;
   const CLI::Range positive(1, std::numeric_limits<int>::max());
   bench_options.threads = omp_get_max_threads();
   bench->add_option("--suite", bench_options.suite, "Benchmark suite")
-      ->check(CLI::IsMember({"forward", "backward", "decode", "all"}))
+      ->check(CLI::IsMember({"forward", "backward", "decode", "all", "scaling"}))
       ->capture_default_str();
   bench->add_option("--filter", bench_options.filter,
                     "Run only the cases whose name matches this\n"

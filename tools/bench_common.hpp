@@ -1,0 +1,31 @@
+// Pieces shared by the benchmark suites: seeded inputs, timing as the median
+// of repeated runs, and peak resident memory growth.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <random>
+#include <string_view>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv::tools {
+
+// A contiguous tensor of uniform values in [-1, 1), rounded to `dtype`.
+Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> sizes, std::mt19937& rng);
+
+// The value of a "VmRSS:"-style line of a /proc file in bytes; -1 if there
+// is none (no /proc).
+std::int64_t proc_bytes(const char* path, std::string_view field);
+
+struct Timing {
+  double seconds = 0.0;          // median of the timed runs
+  std::int64_t extra_bytes = 0;  // peak resident memory growth
+};
+
+// One warm-up run, then `repeats` timed runs. The memory window opens before
+// the warm-up so that scratch allocated once and kept is counted too.
+Timing measure(const std::function<void()>& run, int repeats);
+
+}  // namespace qkv::tools
