@@ -190,7 +190,7 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
     if (p.curve->variant == Variant::linear_causal) {
       LinearAttentionOptions lo;
       lo.causal = true;
-      call = [&] { linear_attention_into(q, k, v, o, lo); };
+      call = [&q, &k, &v, &o, lo] { linear_attention_into(q, k, v, o, lo); };
       // The recurrent form's work per token and head: o = phi(q) S and
       // S += phi(k) v^T, 2 D Dv flops each (the normalizer adds 4 D).
       flops = static_cast<double>(p.n * kHeads) * (4.0 * kDim * kDim + 4.0 * kDim);
