@@ -10,7 +10,9 @@ packages=(
   libgtest-dev libgmock-dev
   libbenchmark-dev    # Google Benchmark
   libcli11-dev        # command line parsing for the qkv tool
-  libopenblas-openmp-dev  # sgemm for `qkv bench`'s naive baseline (OpenMP build: no nested threads)
+  libopenblas-openmp-dev  # GEMM for the modules' projections and the bench's naive baseline
+                          # (the OpenMP build: its threads are qkv's, never nested)
+  nlohmann-json3-dev  # JSON headers of safetensors files
 )
 
 missing=()

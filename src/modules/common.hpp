@@ -1,0 +1,52 @@
+// Shared plumbing of the modules: compute precision, contiguous operands,
+// GEMM on OpenBLAS, and gradient buffers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qkv/modules/parameter.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::nn::detail {
+
+// The dtype a module computes in for an input of dtype `input`: f64 for f64,
+// f32 for everything else.
+DType compute_dtype(DType input);
+
+// x as contiguous elements of `dtype`: x's own memory when it already is,
+// else a converted copy held in `storage`.
+struct Dense {
+  Tensor storage;
+  const void* data = nullptr;
+};
+Dense dense(ConstTensorView x, DType dtype);
+
+// Row-major C[m, n] = alpha * op(A) op(B) + beta * C on OpenBLAS (sgemm for
+// f32, dgemm for f64); op(A) is [m, k], op(B) is [k, n]; lda, ldb, ldc are
+// row strides in elements.
+void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+          double alpha, const void* a, std::int64_t lda, const void* b, std::int64_t ldb,
+          double beta, void* c, std::int64_t ldc);
+
+// p.grad, allocated and zeroed in `dtype` on first use. Throws qkv::Error if
+// it already holds gradients of another dtype (mixing f32 and f64 backward
+// calls without zero_grad in between).
+Tensor& grad_of(Parameter& p, DType dtype);
+
+// data[r * cols + c] += row[c] for every row r < rows (a bias broadcast).
+void add_row(DType dtype, void* data, std::int64_t rows, std::int64_t cols, const void* row);
+// out[c] += sum_r data[r * cols + c] (a bias gradient), rows in order.
+void add_column_sums(DType dtype, const void* data, std::int64_t rows, std::int64_t cols,
+                     void* out);
+
+// Appends "name: expected ..., got ..." when x is undefined, not floating, or
+// not of rank `rank`; returns whether it may be used further.
+bool check_input(const char* name, ConstTensorView x, int rank, const char* shape,
+                 std::vector<std::string>& reasons);
+
+// The sizes of x with the last one replaced by `last`.
+std::vector<std::int64_t> with_last(ConstTensorView x, std::int64_t last);
+
+}  // namespace qkv::nn::detail

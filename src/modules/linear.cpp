@@ -1,0 +1,100 @@
+#include "qkv/modules/linear.hpp"
+
+#include <string>
+#include <vector>
+
+#include "modules/common.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::nn {
+
+namespace {
+
+std::int64_t rows_of(ConstTensorView x) {
+  const std::int64_t last = x.size(-1);
+  return last == 0 ? 0 : x.numel() / last;
+}
+
+void check_features(const char* name, ConstTensorView x, std::int64_t features,
+                    const char* feature_name, std::vector<std::string>& reasons) {
+  if (!detail::check_input(name, x, 0, "", reasons)) return;
+  if (x.rank() < 1) {
+    reasons.push_back(std::string(name) + ": expected rank 1 to 4 [..., " + feature_name +
+                      "], got a scalar");
+  } else if (x.size(-1) != features) {
+    reasons.push_back(std::string(name) + ": expected last dimension " + feature_name + " = " +
+                      std::to_string(features) + ", got " + shape_string(x.size_span()));
+  }
+}
+
+}  // namespace
+
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool with_bias, DType dtype)
+    : in_(in_features), out_(out_features) {
+  std::vector<std::string> r;
+  if (in_features < 1)
+    r.push_back("in_features: expected >= 1, got " + std::to_string(in_features));
+  if (out_features < 1) {
+    r.push_back("out_features: expected >= 1, got " + std::to_string(out_features));
+  }
+  if (!is_floating(dtype)) {
+    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
+  }
+  if (!r.empty()) throw Error(r);
+  weight = make_parameter(dtype, {out_, in_});
+  if (with_bias) bias = make_parameter(dtype, {out_});
+}
+
+Tensor Linear::forward(ConstTensorView x) const {
+  std::vector<std::string> r;
+  check_features("x", x, in_, "in_features", r);
+  if (!r.empty()) throw Error(r);
+
+  const DType ct = detail::compute_dtype(x.dtype());
+  const std::int64_t rows = rows_of(x);
+  const detail::Dense xs = detail::dense(x, ct);
+  const detail::Dense w = detail::dense(weight.value, ct);
+  Tensor y(ct, detail::with_last(x, out_));
+  void* yd = y.view().data();
+  if (bias.defined()) {
+    detail::add_row(ct, yd, rows, out_, detail::dense(bias.value, ct).data);
+  }
+  detail::gemm(ct, false, true, rows, out_, in_, 1.0, xs.data, in_, w.data, in_,
+               bias.defined() ? 1.0 : 0.0, yd, out_);
+  return x.dtype() == ct ? y : to_dtype(y, x.dtype());
+}
+
+Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
+  std::vector<std::string> r;
+  check_features("x", x, in_, "in_features", r);
+  check_features("dy", dy, out_, "out_features", r);
+  if (r.empty() && detail::with_last(x, out_) != detail::with_last(dy, out_)) {
+    r.push_back("dy: expected the leading dimensions of x " + shape_string(x.size_span()) +
+                ", got " + shape_string(dy.size_span()));
+  }
+  if (!r.empty()) throw Error(r);
+
+  const DType ct = detail::compute_dtype(x.dtype());
+  const std::int64_t rows = rows_of(x);
+  const detail::Dense xs = detail::dense(x, ct);
+  const detail::Dense dys = detail::dense(dy, ct);
+  const detail::Dense w = detail::dense(weight.value, ct);
+  Tensor dx(ct, x.size_span());
+  detail::gemm(ct, false, false, rows, in_, out_, 1.0, dys.data, out_, w.data, in_, 0.0,
+               dx.view().data(), in_);
+  Tensor& gw = detail::grad_of(weight, ct);
+  detail::gemm(ct, true, false, out_, in_, rows, 1.0, dys.data, out_, xs.data, in_, 1.0,
+               gw.view().data(), in_);
+  if (bias.defined()) {
+    detail::add_column_sums(ct, dys.data, rows, out_, detail::grad_of(bias, ct).view().data());
+  }
+  return x.dtype() == ct ? dx : to_dtype(dx, x.dtype());
+}
+
+NamedParameters Linear::named_parameters(std::string_view prefix) {
+  NamedParameters p{{std::string(prefix) + "weight", &weight}};
+  if (bias.defined()) p.push_back({std::string(prefix) + "bias", &bias});
+  return p;
+}
+
+}  // namespace qkv::nn
