@@ -26,6 +26,17 @@ the sequence sees every key. SDPA wants one dtype for q, k and v, so where it
 rejects an f32 query against an f16 cache, q is given in the cache's dtype
 too; the torch dtypes used are printed (and are fields of --json output).
 
+Modules cases (--suite modules) time the PyTorch modules of the same layers on
+the same shapes in float32: torch.nn.MultiheadAttention(768, 12,
+batch_first=True) in eval mode with need_weights=False under
+torch.inference_mode() (its fused fast path) for the forward, and for the
+backward torch.autograd.grad of its output with respect to the input and
+every parameter (train mode, dropout 0); for the grouped-query decode step,
+the same layer written with torch ops (nn.Linear projections, rotary
+embedding, the new key and value written into a preallocated
+[B, Hkv, L + 1, Dh] cache, scaled_dot_product_attention with enable_gqa=True,
+output projection); and timm's SEModule(64) and CbamModule(64) in eval mode.
+
 Install torch from PyPI only (see bench/requirements.txt):
     python3 -m pip install -r bench/requirements.txt
 On Linux x86_64 PyPI's torch is the CUDA build: it pulls about 3 GB of
@@ -52,8 +63,8 @@ DEFAULT_QKV = REPO_ROOT / "build" / "release" / "qkv"
 # take long in torch, above all with a materialized window mask: select them
 # explicitly with --filter. Every decode case is quick (the longest cache is
 # 1 GiB).
-DEFAULT_FILTER = r"/N(512|2048)/|/cross$|^dec/"
-SUITES = ("forward", "backward", "decode", "all")
+DEFAULT_FILTER = r"/N(512|2048)/|/cross$|^dec/|^mod/"
+SUITES = ("forward", "backward", "decode", "all", "modules")
 SAMPLE_LINE = (
     '{"suite":"forward","name":"fwd/bf16/B1/H16/N512/D64/window256","impl":"qkv",'
     '"dtype":"bf16","B":1,"Hq":16,"Hkv":16,"Nq":512,"Nk":512,"D":64,"causal":true,'
@@ -173,11 +184,80 @@ def time_torch_decode(torch: Any, rec: dict[str, Any], threads: int, repeats: in
         return median_seconds(lambda: sdpa(q, k, v, **kwargs), repeats)
 
 
+def rotate(torch: Any, x: Any, cos: Any, sin: Any) -> Any:
+    """Half-split rotary embedding (GPT-NeoX, Llama) of x [..., Dh]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def time_torch_module(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
+    """Median seconds of the PyTorch (or timm) module of one `--suite modules` record."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(20240503)
+    name = rec["name"]
+    b, n, e = rec["B"], rec["N"], rec["E"]
+    if name.startswith("mod/mha/"):
+        m = torch.nn.MultiheadAttention(e, rec["heads"], batch_first=True)
+        x = torch.rand(b, n, e) * 2 - 1
+        if name.endswith("/forward"):
+            m.eval()
+            with torch.inference_mode():
+                return median_seconds(lambda: m(x, x, x, need_weights=False), repeats)
+        x.requires_grad_(True)
+        out = m(x, x, x, need_weights=False)[0]
+        dout = torch.rand_like(out) * 2 - 1
+        leaves = [x, *m.parameters()]
+        return median_seconds(
+            lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), repeats)
+    if name.startswith("mod/gqa_decode/"):
+        hq, hkv = rec["heads"], rec["kv_heads"]
+        dh = e // hq
+        q_proj = torch.nn.Linear(e, hq * dh)
+        k_proj = torch.nn.Linear(e, hkv * dh)
+        v_proj = torch.nn.Linear(e, hkv * dh)
+        o_proj = torch.nn.Linear(hq * dh, e)
+        k_cache = torch.rand(b, hkv, n + 1, dh) * 2 - 1
+        v_cache = torch.rand(b, hkv, n + 1, dh) * 2 - 1
+        x = torch.rand(b, 1, e) * 2 - 1
+        inv = 1.0 / 10000.0 ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh)
+        angle = n * inv
+        cos, sin = torch.cat((angle.cos(), angle.cos())), torch.cat((angle.sin(), angle.sin()))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def step() -> Any:
+            q = rotate(torch, q_proj(x).view(b, 1, hq, dh).transpose(1, 2), cos[:dh // 2],
+                       sin[:dh // 2])
+            k = rotate(torch, k_proj(x).view(b, 1, hkv, dh).transpose(1, 2), cos[:dh // 2],
+                       sin[:dh // 2])
+            k_cache[:, :, n:n + 1] = k
+            v_cache[:, :, n:n + 1] = v_proj(x).view(b, 1, hkv, dh).transpose(1, 2)
+            a = sdpa(q, k_cache, v_cache, enable_gqa=True)
+            return o_proj(a.transpose(1, 2).reshape(b, 1, hq * dh))
+
+        with torch.inference_mode():
+            return median_seconds(step, repeats)
+    try:
+        from timm.layers import SEModule
+        from timm.layers.cbam import CbamModule
+    except ImportError:
+        sys.exit("compare_torch: the se and cbam cases need timm: "
+                 "python3 -m pip install -r bench/requirements.txt")
+    c, h, w = rec["E"], rec["H"], rec["W"]
+    m = SEModule(c) if name.startswith("mod/se/") else CbamModule(c)
+    m.eval()
+    x = torch.rand(b, c, h, w) * 2 - 1
+    with torch.inference_mode():
+        return median_seconds(lambda: m(x), repeats)
+
+
 def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> float:
     """Median seconds of torch SDPA (forward, or backward for suite "backward" records)
-    on the shape of one qkv bench record."""
+    on the shape of one qkv bench record, or of the module of a "modules" record."""
     if rec.get("suite") == "decode":
         return time_torch_decode(torch, rec, threads, repeats)
+    if rec.get("suite") == "modules":
+        return time_torch_module(torch, rec, threads, repeats)
     torch.set_num_threads(threads)
     dtype = torch_dtype(torch, rec["dtype"])
     b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
@@ -263,7 +343,7 @@ def main() -> None:
     parser.add_argument("--qkv", type=Path, default=DEFAULT_QKV,
                         help=f"qkv binary (default: {DEFAULT_QKV.relative_to(REPO_ROOT)})")
     parser.add_argument("--suite", choices=SUITES, default="forward",
-                        help="qkv bench suite: forward, backward, decode or all"
+                        help="qkv bench suite: forward, backward, decode, all or modules"
                         " (default: forward)")
     parser.add_argument("--filter", default=DEFAULT_FILTER,
                         help=f"case-name regex passed to qkv bench (default: {DEFAULT_FILTER!r})")

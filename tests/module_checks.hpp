@@ -16,6 +16,11 @@
 
 namespace qkv::test {
 
+// Path of a golden file in tests/data/.
+inline std::string test_data(const std::string& name) {
+  return std::string(QKV_TEST_DATA_DIR) + "/" + name;
+}
+
 // One tensor whose gradient is checked: `value` (f64, contiguous) is perturbed
 // in place, `analytic` is the backward's gradient for it.
 struct GradientTarget {

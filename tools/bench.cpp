@@ -286,7 +286,7 @@ std::vector<Case> suite_cases(const BenchOptions& options) {
     for (Case& c : decode_cases(options.shrink)) cases.push_back(std::move(c));
     return cases;
   }
-  throw Error("bench: --suite must be forward, backward, decode, all or scaling, got '" +
+  throw Error("bench: --suite must be forward, backward, decode, all, scaling or modules, got '" +
               options.suite + "'");
 }
 
@@ -371,6 +371,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                 "' is not a regular expression: " + e.what());
   }
   if (options.suite == "scaling") return run_scaling_bench(out, progress, options);
+  if (options.suite == "modules") return run_modules_bench(out, progress, options);
   std::vector<Case> cases;
   for (Case& c : suite_cases(options)) {
     if (std::regex_search(c.name, filter)) cases.push_back(std::move(c));

@@ -10,7 +10,7 @@
 namespace qkv::tools {
 
 struct BenchOptions {
-  // "forward", "backward", "decode", "all" (those three in turn) or "scaling"
+  // "forward", "backward", "decode", "all" (those three in turn), "scaling" or "modules"
   std::string suite = "forward";
   std::string filter;          // run the cases whose name std::regex_search matches
   bool json = false;           // one JSON object per line instead of a table
@@ -38,5 +38,14 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
 // over N >= 4096. --json: one object per point (suite, name, variant, N,
 // seconds, gflops, fraction_of_peak, ...) and one per curve (variant, slope).
 int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
+
+// Suite "modules" (run_bench calls it): qkv::nn layers at model shapes: a
+// BERT-base self-attention block (B = 8, N = 512, E = 768, 12 heads) forward
+// and backward, one decode step of a grouped-query decoder block (E = 2048,
+// 32 query and 8 KV heads, RoPE) against a KV cache of L = 4096 tokens, and
+// squeeze-and-excitation and CBAM on a [1, 64, 56, 56] feature map. --json:
+// one object per case (suite, name, impl, dtype, B, N, E, heads, kv_heads,
+// H, W, threads, seconds, gflops, fraction_of_peak, extra_bytes).
+int run_modules_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
 
 }  // namespace qkv::tools

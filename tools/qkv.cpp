@@ -46,13 +46,16 @@ int main(int argc, char** argv) {
       "layout and causal linear attention, and prints each curve's log-log\n"
       "slope over N >= 4096 (not part of suite all: dense causal at N = 65536\n"
       "alone takes about a minute).\n"
+      "Suite modules times qkv::nn layers at model shapes: a BERT-base\n"
+      "self-attention block forward and backward, a grouped-query decoder\n"
+      "step against a 4096-token cache, and SE and CBAM on 64 x 56 x 56.\n"
       "Progress goes to stderr; results to stdout. Exits 1 if no case matches,\n"
       "3 if --check fails.");
   qkv::tools::BenchOptions bench_options;
   const CLI::Range positive(1, std::numeric_limits<int>::max());
   bench_options.threads = omp_get_max_threads();
   bench->add_option("--suite", bench_options.suite, "Benchmark suite")
-      ->check(CLI::IsMember({"forward", "backward", "decode", "all", "scaling"}))
+      ->check(CLI::IsMember({"forward", "backward", "decode", "all", "scaling", "modules"}))
       ->capture_default_str();
   bench->add_option("--filter", bench_options.filter,
                     "Run only the cases whose name matches this\n"

@@ -42,6 +42,13 @@ struct RopeConfig {
 void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
                 const RopeConfig& rope);
 
+// The gradient of apply_rope, in place: given grad = dLoss/dy [B, n, H, D] for
+// y = apply_rope(x), overwrites it with dLoss/dx, the transposed rotation of
+// each head vector, which is the rotation by minus the angle (so it also
+// undoes apply_rope). Same arguments, computation and checks as apply_rope.
+void apply_rope_backward(TensorView grad, std::span<const std::int64_t> start_positions,
+                         const RopeConfig& rope);
+
 // Shape and storage of a KvCache.
 struct KvCacheConfig {
   std::int64_t batch = 1;      // B: sequences

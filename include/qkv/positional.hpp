@@ -32,4 +32,21 @@ std::int64_t t5_relative_bucket(std::int64_t relative_position, std::int64_t num
 // other slope of the next power of two, as the paper's reference code does.
 std::vector<float> alibi_slopes(std::int64_t num_heads);
 
+// 2-D sine-cosine positions of a height x width grid of patches, [height *
+// width, dim], exactly MAE's get_2d_sincos_pos_embed (also used by I-JEPA and
+// DiT), with patches in row-major order: patch p = y * width + x. With
+// q = dim / 4 and frequencies w_t = 1 / base^(t / q), t < q:
+//   pe[p, t]         = sin(x w_t)     pe[p, q + t]     = cos(x w_t)    x = column
+//   pe[p, 2q + t]    = sin(y w_t)     pe[p, 3q + t]    = cos(y w_t)    y = row
+// Each half is MAE's 1-D embedding at dimension dim / 2: every sine, then every
+// cosine (not interleaved as in sinusoidal_positions). The FIRST half encodes
+// the COLUMN: MAE builds its grid with np.meshgrid(grid_w, grid_h), so the
+// grid[0] it passes to the half it calls emb_h holds the x coordinates. MAE
+// prepends a zero row for the class token; that row is left to the caller.
+// Computed in double and rounded once to `dtype` (f32, f64, f16 or bf16).
+// Throws qkv::Error if height or width < 0, dim is not a positive multiple of
+// 4, base <= 1 or dtype is not floating.
+Tensor sinusoidal_positions_2d(std::int64_t height, std::int64_t width, std::int64_t dim,
+                               double base = 10000.0, DType dtype = DType::f32);
+
 }  // namespace qkv

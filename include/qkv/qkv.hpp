@@ -11,8 +11,9 @@
 //   qkv::AttentionResult r = qkv::attention(q, k, v, opt);
 //   // r.out: [2, 4, 2, 8]; r.lse: [2, 2, 4]
 //
-// See qkv/attention.hpp for the full semantics, shapes and options, and
-// qkv/flex.hpp for score_mod / mask_mod callables inlined into the kernels.
+// See qkv/attention.hpp for the full semantics, shapes and options,
+// qkv/flex.hpp for score_mod / mask_mod callables inlined into the kernels,
+// and qkv/modules/ for the layers (qkv::nn) built on them.
 #pragma once
 
 #include "qkv/attention.hpp"
@@ -23,6 +24,13 @@
 #include "qkv/flex.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/linear.hpp"
+#include "qkv/modules/additive.hpp"
+#include "qkv/modules/linear.hpp"
+#include "qkv/modules/multihead_attention.hpp"
+#include "qkv/modules/parameter.hpp"
+#include "qkv/modules/positional.hpp"
+#include "qkv/modules/safetensors.hpp"
+#include "qkv/modules/vision.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"

@@ -197,22 +197,28 @@ class Rotation {
   }
 
   // Rotates the first rotary_dim() elements of x by the current position.
-  void rotate(double* x) const {
-    for (std::int64_t i = 0; i < half_; ++i) {
-      const std::int64_t ia = interleaved_ ? 2 * i : i;
-      const std::int64_t ib = interleaved_ ? 2 * i + 1 : i + half_;
-      const double a = x[ia];
-      const double b = x[ib];
-      x[ia] = a * cos_[i] - b * sin_[i];
-      x[ib] = a * sin_[i] + b * cos_[i];
-    }
-  }
+  void rotate(double* x) const { turn(x, 1.0); }
+  // The transposed rotation, which is its inverse: turns back by the angle.
+  void rotate_back(double* x) const { turn(x, -1.0); }
 
  private:
   std::int64_t half_;
   bool interleaved_;
   std::vector<double> inv_freq_;   // [rotary_dim / 2]: base^(-2i / rotary_dim)
   std::vector<double> cos_, sin_;  // [rotary_dim / 2] at the current position
+
+  // Each pair (a, b) turns by the angle times `direction` (+1 or -1).
+  void turn(double* x, double direction) const {
+    for (std::int64_t i = 0; i < half_; ++i) {
+      const std::int64_t ia = interleaved_ ? 2 * i : i;
+      const std::int64_t ib = interleaved_ ? 2 * i + 1 : i + half_;
+      const double a = x[ia];
+      const double b = x[ib];
+      const double s = direction * sin_[i];
+      x[ia] = a * cos_[i] - b * s;
+      x[ib] = a * s + b * cos_[i];
+    }
+  }
 };
 
 // ---- argument checks -------------------------------------------------------
@@ -262,15 +268,15 @@ bool product(std::initializer_list<std::int64_t> factors, std::int64_t& out) {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
-}  // namespace
-
-void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
-                const RopeConfig& rope) {
+// Checks a call of apply_rope (or its backward, whose tensor is `name`),
+// listing every problem.
+void check_rope_call(const char* name, TensorView x, std::span<const std::int64_t> start_positions,
+                     const RopeConfig& rope) {
   Reasons r;
-  const bool x_ok = check_view("x", x, 4, "[B, n, H, D]", r);
+  const bool x_ok = check_view(name, x, 4, "[B, n, H, D]", r);
   if (x_ok) {
     if (const std::string reason = detail::self_overlap_reason(x); !reason.empty()) {
-      r.push_back("x: " + reason + " (it is rotated in place)");
+      r.push_back(std::string(name) + ": " + reason + " (it is rotated in place)");
     }
     check_rope(rope, x.size(3), "D", r);
     const std::int64_t batch = x.size(0);
@@ -294,7 +300,12 @@ void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
     check_rope(rope, -1, "D", r);
   }
   throw_if(r);
+}
 
+// Turns every head vector of a validated x [B, n, H, D] by its position's
+// rotation (`back`: by the transposed rotation).
+void rotate_heads(TensorView x, std::span<const std::int64_t> start_positions,
+                  const RopeConfig& rope, bool back) {
   Rotation rotation(rope, x.size(3));
   const std::int64_t rotary_dim = rotation.rotary_dim();
   const LoadRow load = load_row_for(x.dtype());
@@ -306,11 +317,29 @@ void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
       for (std::int64_t h = 0; h < x.size(2); ++h) {
         void* head = at(x.data(), x.dtype(), b * x.stride(0) + t * x.stride(1) + h * x.stride(2));
         load(head, x.stride(3), row.data(), rotary_dim);
-        rotation.rotate(row.data());
+        if (back) {
+          rotation.rotate_back(row.data());
+        } else {
+          rotation.rotate(row.data());
+        }
         store(row.data(), head, x.stride(3), rotary_dim);
       }
     }
   }
+}
+
+}  // namespace
+
+void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
+                const RopeConfig& rope) {
+  check_rope_call("x", x, start_positions, rope);
+  rotate_heads(x, start_positions, rope, false);
+}
+
+void apply_rope_backward(TensorView grad, std::span<const std::int64_t> start_positions,
+                         const RopeConfig& rope) {
+  check_rope_call("grad", grad, start_positions, rope);
+  rotate_heads(grad, start_positions, rope, true);
 }
 
 namespace {

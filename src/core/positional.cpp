@@ -81,4 +81,53 @@ std::vector<float> alibi_slopes(std::int64_t num_heads) {
   return std::vector<float>(slopes.begin(), slopes.end());
 }
 
+Tensor sinusoidal_positions_2d(std::int64_t height, std::int64_t width, std::int64_t dim,
+                               double base, DType dtype) {
+  std::vector<std::string> reasons;
+  const std::string op = "sinusoidal_positions_2d: ";
+  if (height < 0) reasons.push_back(op + "height must be >= 0, got " + std::to_string(height));
+  if (width < 0) reasons.push_back(op + "width must be >= 0, got " + std::to_string(width));
+  if (dim < 4 || dim % 4 != 0) {
+    reasons.push_back(op +
+                      "dim must be a positive multiple of 4 (a sine and a cosine per axis), got " +
+                      std::to_string(dim));
+  }
+  if (!(base > 1.0) || !std::isfinite(base)) {
+    reasons.push_back(op + "base must be finite and > 1, got " + std::to_string(base));
+  }
+  if (!is_floating(dtype)) {
+    reasons.push_back(op + "dtype must be f32, f64, f16 or bf16, got " +
+                      std::string(dtype_name(dtype)));
+  }
+  std::int64_t patches = 0;
+  if (height >= 0 && width >= 0 && __builtin_mul_overflow(height, width, &patches)) {
+    reasons.push_back(op + "height * width overflows int64");
+  }
+  if (!reasons.empty()) throw Error(reasons);
+
+  // The same operations as MAE's numpy code, in double: omega = t / q, then
+  // 1 / base^omega, then position * omega.
+  const std::int64_t q = dim / 4;
+  std::vector<double> omega(static_cast<std::size_t>(q));
+  for (std::int64_t t = 0; t < q; ++t) {
+    omega[t] = 1.0 / std::pow(base, static_cast<double>(t) / static_cast<double>(q));
+  }
+  Tensor pe(DType::f64, {patches, dim});
+  double* out = pe.data<double>();
+  for (std::int64_t y = 0; y < height; ++y) {
+    for (std::int64_t x = 0; x < width; ++x) {
+      double* row = out + (y * width + x) * dim;
+      for (std::int64_t t = 0; t < q; ++t) {
+        const double ax = static_cast<double>(x) * omega[t];
+        const double ay = static_cast<double>(y) * omega[t];
+        row[t] = std::sin(ax);
+        row[q + t] = std::cos(ax);
+        row[2 * q + t] = std::sin(ay);
+        row[3 * q + t] = std::cos(ay);
+      }
+    }
+  }
+  return dtype == DType::f64 ? pe : to_dtype(pe, dtype);
+}
+
 }  // namespace qkv

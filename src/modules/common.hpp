@@ -25,10 +25,13 @@ Dense dense(ConstTensorView x, DType dtype);
 
 // Row-major C[m, n] = alpha * op(A) op(B) + beta * C on OpenBLAS (sgemm for
 // f32, dgemm for f64); op(A) is [m, k], op(B) is [k, n]; lda, ldb, ldc are
-// row strides in elements.
+// row strides in elements. With `bias` ([n], same dtype) and beta = 0, C =
+// alpha * op(A) op(B) + bias on every row (a linear layer), the bias written
+// into each block of C just before its product. Bitwise identical results
+// for any thread count (see common.cpp).
 void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
           double alpha, const void* a, std::int64_t lda, const void* b, std::int64_t ldb,
-          double beta, void* c, std::int64_t ldc);
+          double beta, void* c, std::int64_t ldc, const void* bias = nullptr);
 
 // p.grad, allocated and zeroed in `dtype` on first use. Throws qkv::Error if
 // it already holds gradients of another dtype (mixing f32 and f64 backward
@@ -45,6 +48,10 @@ void add_column_sums(DType dtype, const void* data, std::int64_t rows, std::int6
 // not of rank `rank`; returns whether it may be used further.
 bool check_input(const char* name, ConstTensorView x, int rank, const char* shape,
                  std::vector<std::string>& reasons);
+
+// t itself (moved, never copied) when it already has `dtype`, else a
+// converted copy: a module's result in its input's dtype.
+Tensor in_dtype(Tensor t, DType dtype);
 
 // The sizes of x with the last one replaced by `last`.
 std::vector<std::int64_t> with_last(ConstTensorView x, std::int64_t last);

@@ -1,6 +1,7 @@
 #include "qkv/modules/linear.hpp"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "modules/common.hpp"
@@ -55,13 +56,10 @@ Tensor Linear::forward(ConstTensorView x) const {
   const detail::Dense xs = detail::dense(x, ct);
   const detail::Dense w = detail::dense(weight.value, ct);
   Tensor y(ct, detail::with_last(x, out_));
-  void* yd = y.view().data();
-  if (bias.defined()) {
-    detail::add_row(ct, yd, rows, out_, detail::dense(bias.value, ct).data);
-  }
-  detail::gemm(ct, false, true, rows, out_, in_, 1.0, xs.data, in_, w.data, in_,
-               bias.defined() ? 1.0 : 0.0, yd, out_);
-  return x.dtype() == ct ? y : to_dtype(y, x.dtype());
+  const detail::Dense b = bias.defined() ? detail::dense(bias.value, ct) : detail::Dense{};
+  detail::gemm(ct, false, true, rows, out_, in_, 1.0, xs.data, in_, w.data, in_, 0.0,
+               y.view().data(), out_, b.data);
+  return detail::in_dtype(std::move(y), x.dtype());
 }
 
 Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
@@ -88,7 +86,7 @@ Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
   if (bias.defined()) {
     detail::add_column_sums(ct, dys.data, rows, out_, detail::grad_of(bias, ct).view().data());
   }
-  return x.dtype() == ct ? dx : to_dtype(dx, x.dtype());
+  return detail::in_dtype(std::move(dx), x.dtype());
 }
 
 NamedParameters Linear::named_parameters(std::string_view prefix) {
