@@ -24,17 +24,6 @@
 namespace qkv::test {
 namespace {
 
-template <class T>
-std::vector<T> values_of(ConstTensorView t) {
-  std::vector<T> out;
-  out.reserve(static_cast<std::size_t>(t.numel()));
-  detail::for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
-    out.push_back(static_cast<T>(
-        detail::load(t.data(), t.dtype(), detail::offset(idx, t.strides(), t.rank()))));
-  });
-  return out;
-}
-
 Tensor tensor_of(const std::vector<double>& v, std::initializer_list<std::int64_t> sizes) {
   Tensor t(DType::f64, sizes);
   std::copy(v.begin(), v.end(), t.data<double>());

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "qkv/error.hpp"
 #include "qkv/modules/parameter.hpp"
 #include "test_util.hpp"
 
@@ -19,6 +20,30 @@ namespace qkv::test {
 // Path of a golden file in tests/data/.
 inline std::string test_data(const std::string& name) {
   return std::string(QKV_TEST_DATA_DIR) + "/" + name;
+}
+
+// Elements of t (any strides) in row-major order, as T.
+template <class T>
+std::vector<T> values_of(ConstTensorView t) {
+  std::vector<T> out;
+  out.reserve(static_cast<std::size_t>(t.numel()));
+  detail::for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
+    out.push_back(static_cast<T>(
+        detail::load(t.data(), t.dtype(), detail::offset(idx, t.strides(), t.rank()))));
+  });
+  return out;
+}
+
+// The reasons of the qkv::Error that f throws (a test failure if none).
+template <class F>
+std::vector<std::string> reasons_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.reasons();
+  }
+  ADD_FAILURE() << "expected qkv::Error";
+  return {};
 }
 
 // One tensor whose gradient is checked: `value` (f64, contiguous) is perturbed

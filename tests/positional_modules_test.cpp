@@ -15,16 +15,6 @@
 namespace qkv::test {
 namespace {
 
-std::vector<std::string> reasons_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.reasons();
-  }
-  ADD_FAILURE() << "expected qkv::Error";
-  return {};
-}
-
 void expect_reason(const std::vector<std::string>& reasons, const std::string& part) {
   std::string all;
   for (const std::string& r : reasons) {

@@ -25,18 +25,6 @@ namespace {
 
 using nn::ImageLayout;
 
-// Elements of t (any strides) in row-major order, as T.
-template <class T>
-std::vector<T> values_of(ConstTensorView t) {
-  std::vector<T> out;
-  out.reserve(static_cast<std::size_t>(t.numel()));
-  detail::for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
-    out.push_back(static_cast<T>(
-        detail::load(t.data(), t.dtype(), detail::offset(idx, t.strides(), t.rank()))));
-  });
-  return out;
-}
-
 // The bias's values, or zeros when the layer has none.
 template <class T>
 std::vector<T> bias_of(const nn::Parameter& p, std::int64_t n) {
@@ -427,18 +415,6 @@ TEST(VisionModules, EmptyBatchGivesEmptyResults) {
   // No image, no gradient.
   EXPECT_EQ(max_abs(se.fc1_weight.grad), 0.0);
   EXPECT_EQ(max_abs(cbam.spatial_conv_weight.grad), 0.0);
-}
-
-// The reasons of the qkv::Error that f throws.
-template <class F>
-std::vector<std::string> reasons_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.reasons();
-  }
-  ADD_FAILURE() << "expected qkv::Error";
-  return {};
 }
 
 bool mentions(const std::vector<std::string>& reasons, const std::string& text) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <malloc.h>
 #endif
 
+#include "cpu/flash.hpp"
 #include "qkv/dtype.hpp"
 
 namespace qkv::tools {
@@ -90,6 +92,27 @@ Timing measure(const std::function<void()>& run, int repeats) {
   const double median =
       seconds.size() % 2 == 1 ? seconds[mid] : (seconds[mid - 1] + seconds[mid]) / 2.0;
   return {median, growth.bytes()};
+}
+
+std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
+                       const std::string& columns) {
+  char line[256];
+  if (options.json) {
+    std::snprintf(line, sizeof line,
+                  "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,\"target\":\"%s\"}",
+                  peak.gflops, peak.threads, peak.target);
+    return line;
+  }
+  std::snprintf(line, sizeof line,
+                "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n",
+                peak.gflops, peak.target, peak.threads, cpu::flash_target(), options.repeats);
+  return line + columns;
+}
+
+void report_progress(std::ostream& progress, const BenchOptions& options, std::size_t run,
+                     std::size_t total, const std::string& name) {
+  progress << (options.live_progress ? "\r" : "") << "[" << run << "/" << total << "] " << name
+           << " ..." << (options.live_progress ? "\033[K" : "\n") << std::flush;
 }
 
 }  // namespace qkv::tools

@@ -5,9 +5,13 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <ostream>
 #include <random>
+#include <string>
 #include <string_view>
 
+#include "bench.hpp"
+#include "peak_probe.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::tools {
@@ -23,6 +27,17 @@ struct Timing {
   double seconds = 0.0;          // median of the timed runs
   std::int64_t extra_bytes = 0;  // peak resident memory growth
 };
+
+// The first line a suite prints: the probe as a JSON object with --json,
+// else the probe and the kernels' target in words, then a table header
+// (`columns`, already formatted).
+std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
+                       const std::string& columns);
+
+// The progress line of measurement `run` of `total`: rewritten in place on a
+// terminal, one line each in a log.
+void report_progress(std::ostream& progress, const BenchOptions& options, std::size_t run,
+                     std::size_t total, const std::string& name);
 
 // One warm-up run, then `repeats` timed runs. The memory window opens before
 // the warm-up so that scratch allocated once and kept is counted too.

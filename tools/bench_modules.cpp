@@ -16,7 +16,6 @@
 
 #include "bench.hpp"
 #include "bench_common.hpp"
-#include "cpu/flash.hpp"
 #include "peak_probe.hpp"
 #include "qkv/modules/multihead_attention.hpp"
 #include "qkv/modules/vision.hpp"
@@ -85,24 +84,13 @@ int run_modules_bench(std::ostream& out, std::ostream& progress, const BenchOpti
   omp_set_num_threads(options.threads);
   const PeakProbe peak = probe_fma_peak(options.threads);
   char line[768];
-  if (options.json) {
-    std::snprintf(line, sizeof line,
-                  "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,\"target\":\"%s\"}",
-                  peak.gflops, peak.threads, peak.target);
-  } else {
-    std::snprintf(line, sizeof line,
-                  "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n"
-                  "%-44s  %10s  %9s  %9s",
-                  peak.gflops, peak.target, peak.threads, cpu::flash_target(), options.repeats,
-                  "name", "ms", "GFLOP/s", "% of peak");
-  }
-  out << line << std::endl;
+  std::snprintf(line, sizeof line, "%-44s  %10s  %9s  %9s", "name", "ms", "GFLOP/s", "% of peak");
+  out << probe_line(peak, options, line) << std::endl;
 
-  int run = 0;
+  std::size_t run = 0;
   for (const ModuleCase& c : cases) {
     ++run;
-    progress << (options.live_progress ? "\r" : "") << "[" << run << "/" << cases.size() << "] "
-             << c.name << " ..." << (options.live_progress ? "\033[K" : "\n") << std::flush;
+    report_progress(progress, options, run, cases.size(), c.name);
     std::mt19937 rng(kSeed);
     std::function<void()> call;
     // Owners of the case's state, kept alive while `call` runs.

@@ -17,7 +17,6 @@
 #include "bench_common.hpp"
 #include "bench_naive.hpp"
 #include "core/sparse.hpp"
-#include "cpu/flash.hpp"
 #include "peak_probe.hpp"
 #include "qkv/linear.hpp"
 #include "qkv/qkv.hpp"
@@ -157,28 +156,17 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
   }
   omp_set_num_threads(options.threads);
   const PeakProbe peak = probe_fma_peak(options.threads);
-  const char* target = cpu::flash_target();
   char line[512];
-  if (options.json) {
-    std::snprintf(line, sizeof line,
-                  "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,\"target\":\"%s\"}",
-                  peak.gflops, peak.threads, peak.target);
-  } else {
-    std::snprintf(line, sizeof line,
-                  "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n"
-                  "%-28s  %12s  %9s  %9s  %14s",
-                  peak.gflops, peak.target, peak.threads, target, options.repeats, "name", "ms",
-                  "GFLOP/s", "% of peak", "pairs or flops");
-  }
-  out << line << std::endl;
+  std::snprintf(line, sizeof line, "%-28s  %12s  %9s  %9s  %14s", "name", "ms", "GFLOP/s",
+                "% of peak", "pairs or flops");
+  out << probe_line(peak, options, line) << std::endl;
 
   // seconds by (curve, N) for the fits
   std::vector<std::vector<std::pair<double, double>>> fits(std::size(kCurves));
-  int run = 0;
+  std::size_t run = 0;
   for (const Point& p : points) {
     ++run;
-    progress << (options.live_progress ? "\r" : "") << "[" << run << "/" << points.size() << "] "
-             << p.name << " ..." << (options.live_progress ? "\033[K" : "\n") << std::flush;
+    report_progress(progress, options, run, points.size(), p.name);
     std::mt19937 rng(kSeed);
     const Tensor q = random_tensor(DType::f32, {1, p.n, kHeads, kDim}, rng);
     const Tensor k = random_tensor(DType::f32, {1, p.n, kHeads, kDim}, rng);

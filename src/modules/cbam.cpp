@@ -578,17 +578,8 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
 Cbam::Cbam(std::int64_t channels, const CbamOptions& options)
     : channels_(channels), kernel_(options.spatial_kernel_size), eps_(options.bn_eps) {
   std::vector<std::string> r;
-  if (channels < 1) r.push_back("channels: expected >= 1, got " + std::to_string(channels));
-  if (!(options.rd_ratio > 0.0 && std::isfinite(options.rd_ratio))) {
-    r.push_back("rd_ratio: expected a finite value > 0, got " + std::to_string(options.rd_ratio));
-  }
-  if (options.rd_divisor < 1) {
-    r.push_back("rd_divisor: expected >= 1, got " + std::to_string(options.rd_divisor));
-  }
-  if (options.rd_channels < 0) {
-    r.push_back("rd_channels: expected >= 0 (0 derives it from rd_ratio), got " +
-                std::to_string(options.rd_channels));
-  }
+  rd_ = detail::reduced_channels(channels, options.rd_ratio, options.rd_divisor,
+                                 options.rd_channels, options.dtype, r);
   if (options.spatial_kernel_size < 1 || options.spatial_kernel_size % 2 == 0) {
     r.push_back("spatial_kernel_size: expected an odd size >= 1, got " +
                 std::to_string(options.spatial_kernel_size));
@@ -596,14 +587,7 @@ Cbam::Cbam(std::int64_t channels, const CbamOptions& options)
   if (!(options.bn_eps >= 0.0 && std::isfinite(options.bn_eps))) {
     r.push_back("bn_eps: expected a finite value >= 0, got " + std::to_string(options.bn_eps));
   }
-  if (!is_floating(options.dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " +
-                std::string(dtype_name(options.dtype)));
-  }
   if (!r.empty()) throw Error(r);
-  rd_ = options.rd_channels > 0 ? options.rd_channels
-                                : make_divisible(static_cast<double>(channels) * options.rd_ratio,
-                                                 options.rd_divisor, 0, 0.0);
   const DType dt = options.dtype;
   channel_fc1_weight = make_parameter(dt, {rd_, channels_, 1, 1});
   channel_fc2_weight = make_parameter(dt, {channels_, rd_, 1, 1});

@@ -99,6 +99,32 @@ inline void check_same_sizes(ConstTensorView x, ConstTensorView dy,
   }
 }
 
+// Checks the channel-reduction settings that SE and CBAM share (appending
+// reasons) and returns the MLP's hidden width: rd_channels when given, else
+// timm's make_divisible(channels * rd_ratio, rd_divisor, round_limit = 0);
+// 0 when a check failed.
+inline std::int64_t reduced_channels(std::int64_t channels, double rd_ratio,
+                                     std::int64_t rd_divisor, std::int64_t rd_channels, DType dtype,
+                                     std::vector<std::string>& r) {
+  const std::size_t before = r.size();
+  if (channels < 1) r.push_back("channels: expected >= 1, got " + std::to_string(channels));
+  if (!(rd_ratio > 0.0 && std::isfinite(rd_ratio))) {
+    r.push_back("rd_ratio: expected a finite value > 0, got " + std::to_string(rd_ratio));
+  }
+  if (rd_divisor < 1) r.push_back("rd_divisor: expected >= 1, got " + std::to_string(rd_divisor));
+  if (rd_channels < 0) {
+    r.push_back("rd_channels: expected >= 0 (0 derives it from rd_ratio), got " +
+                std::to_string(rd_channels));
+  }
+  if (!is_floating(dtype)) {
+    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
+  }
+  if (r.size() != before) return 0;
+  return rd_channels > 0
+             ? rd_channels
+             : make_divisible(static_cast<double>(channels) * rd_ratio, rd_divisor, 0, 0.0);
+}
+
 // Pixels per task of the passes that split planes into pixel blocks: fixed,
 // so that the partial sums and the order they are combined in do not depend
 // on the thread count. 128 f32 pixels of 64 channels (32 KiB) fit in L1/L2.

@@ -201,25 +201,9 @@ void se_backward(SqueezeExcitation& m, const FeatureMap& g, const T* x, const T*
 SqueezeExcitation::SqueezeExcitation(std::int64_t channels, const SqueezeExcitationOptions& options)
     : channels_(channels) {
   std::vector<std::string> r;
-  if (channels < 1) r.push_back("channels: expected >= 1, got " + std::to_string(channels));
-  if (!(options.rd_ratio > 0.0 && std::isfinite(options.rd_ratio))) {
-    r.push_back("rd_ratio: expected a finite value > 0, got " + std::to_string(options.rd_ratio));
-  }
-  if (options.rd_divisor < 1) {
-    r.push_back("rd_divisor: expected >= 1, got " + std::to_string(options.rd_divisor));
-  }
-  if (options.rd_channels < 0) {
-    r.push_back("rd_channels: expected >= 0 (0 derives it from rd_ratio), got " +
-                std::to_string(options.rd_channels));
-  }
-  if (!is_floating(options.dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " +
-                std::string(dtype_name(options.dtype)));
-  }
+  rd_ = detail::reduced_channels(channels, options.rd_ratio, options.rd_divisor,
+                                 options.rd_channels, options.dtype, r);
   if (!r.empty()) throw Error(r);
-  rd_ = options.rd_channels > 0 ? options.rd_channels
-                                : make_divisible(static_cast<double>(channels) * options.rd_ratio,
-                                                 options.rd_divisor, 0, 0.0);
   fc1_weight = make_parameter(options.dtype, {rd_, channels_, 1, 1});
   fc2_weight = make_parameter(options.dtype, {channels_, rd_, 1, 1});
   if (options.bias) {
