@@ -340,6 +340,37 @@ TEST(MultiHeadAttentionModule, BackwardMatchesFiniteDifferences) {
     c.max_distance = 8;
     check_backward(c, causal, true, 6, 6);
   }
+  // Training with dropout: the mask is a function of (seed, offset, b, h, i,
+  // j), so the forward is a differentiable function of the inputs and the
+  // backward regenerates the same mask.
+  MultiHeadAttentionConfig dropped = config(8, 2);
+  dropped.dropout = 0.3;
+  MultiHeadAttentionOptions training;
+  training.training = true;
+  training.dropout_seed = 99;
+  training.dropout_offset = 5;
+  check_backward(dropped, training, true, 7, 7);
+}
+
+TEST(MultiHeadAttentionModule, DropoutOnlyInTraining) {
+  MultiHeadAttentionConfig c = config(16, 4);
+  c.dropout = 0.5;
+  MultiHeadAttention m(c);
+  nn::init_uniform(m.named_parameters(), 3);
+  const Tensor x = random_tensor(DType::f32, {2, 9, 16}, 1);
+  MultiHeadAttentionOptions eval;
+  expect_matches_composition(m, x, x, x, eval, {}, "eval ignores dropout");
+  MultiHeadAttentionOptions train;
+  train.training = true;
+  train.dropout_seed = 1;
+  const Tensor a = m.forward(x, x, x, train).out;
+  train.dropout_seed = 2;
+  const Tensor b = m.forward(x, x, x, train).out;
+  EXPECT_GT(max_abs_diff(a, b), 1e-3) << "the seed selects the dropped weights";
+  AttentionOptions eq;
+  eq.dropout_p = 0.5;
+  eq.dropout_seed = 2;
+  expect_matches_composition(m, x, x, x, train, eq, "training");
 }
 
 TEST(MultiHeadAttentionModule, DecodingThroughTheCacheEqualsOneCausalForward) {
