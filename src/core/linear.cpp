@@ -32,29 +32,6 @@ std::string num(double x) {
   return {text, std::to_chars(text, text + sizeof text, x).ptr};
 }
 
-// A required rank-4 input: defined, of rank 4 and backed by memory.
-bool check_input(const char* name, ConstTensorView t, Reasons& r) {
-  if (!t.defined()) {
-    r.push_back(std::string(name) + ": required tensor is undefined");
-    return false;
-  }
-  if (t.rank() != 4) {
-    r.push_back(std::string(name) + ": expected rank 4, got rank " + to_string(t.rank()) +
-                " with sizes " + shape_of(t));
-    return false;
-  }
-  return check_memory(name, t, r);
-}
-
-void check_size(const char* name, ConstTensorView t, int dim, const char* what,
-                std::int64_t expected, const std::string& source, Reasons& r) {
-  if (t.size(dim) != expected) {
-    r.push_back(std::string(name) + ": expected " + what + " (dim " + to_string(dim) + ") " +
-                to_string(expected) + " to match " + source + ", got " + to_string(t.size(dim)) +
-                " (sizes " + shape_of(t) + ")");
-  }
-}
-
 // A view the call writes or reads whole (out, dout, gradients, state): defined,
 // exact sizes and dtype, backed; outputs also must not overlap themselves or
 // any view in `others`.
@@ -91,9 +68,9 @@ void check_view(const char* name, ConstTensorView t, std::vector<std::int64_t> s
 
 void check_tensors(ConstTensorView q, ConstTensorView k, ConstTensorView v, LinearProblem& p,
                    Reasons& r) {
-  const bool q_ok = check_input("q", q, r);
-  const bool k_ok = check_input("k", k, r);
-  const bool v_ok = check_input("v", v, r);
+  const bool q_ok = check_tensor("q", q, 4, r);
+  const bool k_ok = check_tensor("k", k, 4, r);
+  const bool v_ok = check_tensor("v", v, 4, r);
   if (q.defined() && !is_floating(q.dtype())) {
     r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
   }
@@ -114,22 +91,15 @@ void check_tensors(ConstTensorView q, ConstTensorView k, ConstTensorView v, Line
   p.dtype = q.dtype();
   p.state_dtype = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
   const std::string qb = "q's batch " + to_string(p.batch);
-  check_size("k", k, 0, "batch size", p.batch, qb, r);
-  check_size("v", v, 0, "batch size", p.batch, qb, r);
-  check_size("k", k, 3, "head dim", p.d, "q's " + to_string(p.d), r);
-  check_size("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
-  check_size("v", v, 2, "KV heads", p.hkv, "k's " + to_string(p.hkv), r);
+  check_dim("k", k, 0, "batch size", p.batch, qb, r);
+  check_dim("v", v, 0, "batch size", p.batch, qb, r);
+  check_dim("k", k, 3, "head dim", p.d, "q's " + to_string(p.d), r);
+  check_dim("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
+  check_dim("v", v, 2, "KV heads", p.hkv, "k's " + to_string(p.hkv), r);
   if (p.dv == 0) {
     r.push_back("v: expected head dim Dv (dim 3) >= 1, got 0 (sizes " + shape_of(v) + ")");
   }
-  if (p.hkv == 0 && p.hq > 0) {
-    r.push_back("k: expected at least 1 KV head for " + to_string(p.hq) +
-                " query heads, got 0 (sizes " + shape_of(k) + ")");
-  } else if (p.hkv > 0 && p.hq % p.hkv != 0) {
-    r.push_back("q: query heads Hq = " + to_string(p.hq) +
-                " must be a multiple of the KV heads Hkv = " + to_string(p.hkv) +
-                " (grouped-query attention shares each KV head among Hq / Hkv query heads)");
-  }
+  check_head_groups(k, p.hq, p.hkv, r);
 }
 
 void check_options(const LinearAttentionOptions& o, LinearProblem& p, Reasons& r) {

@@ -45,8 +45,6 @@ bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>&
   return true;
 }
 
-namespace {
-
 // A tensor argument: defined (if required), of the expected rank, backed by
 // memory when it has elements, and addressable. Returns whether later checks
 // may look at its sizes.
@@ -64,6 +62,17 @@ bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
   return check_memory(name, t, r) && ok;
 }
 
+void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv, Reasons& r) {
+  if (hkv == 0 && hq > 0) {
+    r.push_back("k: expected at least 1 KV head for " + to_string(hq) +
+                " query heads, got 0 (sizes " + shape_of(k) + ")");
+  } else if (hkv > 0 && hq % hkv != 0) {
+    r.push_back("q: query heads Hq = " + to_string(hq) +
+                " must be a multiple of the KV heads Hkv = " + to_string(hkv) +
+                " (grouped-query attention shares each KV head among Hq / Hkv query heads)");
+  }
+}
+
 void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
                const std::string& source, Reasons& r) {
   if (t.size(d) != expected) {
@@ -72,6 +81,8 @@ void check_dim(const char* name, ConstTensorView t, int d, const char* what, std
                 " (sizes " + shape_of(t) + ")");
   }
 }
+
+namespace {
 
 void check_same_dtype(const char* name, ConstTensorView t, DType expected, Reasons& r) {
   if (t.dtype() != expected) {
@@ -127,14 +138,7 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
   check_dim("v", v, 0, "batch size", p.batch, qb, r);
   check_dim("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
   check_dim("v", v, 2, "KV heads", p.hkv, "k's " + to_string(p.hkv), r);
-  if (p.hkv == 0 && p.hq > 0) {
-    r.push_back("k: expected at least 1 KV head for " + to_string(p.hq) +
-                " query heads, got 0 (sizes " + shape_of(k) + ")");
-  } else if (p.hkv > 0 && p.hq % p.hkv != 0) {
-    r.push_back("q: query heads Hq = " + to_string(p.hq) +
-                " must be a multiple of the KV heads Hkv = " + to_string(p.hkv) +
-                " (grouped-query attention shares each KV head among Hq / Hkv query heads)");
-  }
+  check_head_groups(k, p.hq, p.hkv, r);
   if (o.score != Score::additive && p.dq != p.dk) {
     r.push_back("k: expected head dim (dim 3) " + to_string(p.dq) + " to match q's, got " +
                 to_string(p.dk) + " (only Score::additive allows different q and k dims)");

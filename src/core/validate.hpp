@@ -48,6 +48,21 @@ struct AttentionProblem {
 // it has elements; returns whether it is addressable and backed.
 bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>& reasons);
 
+// A tensor argument: defined, of rank `rank` (-1: any), backed by memory when
+// it has elements, and addressable. Appends the reasons it is not; returns
+// whether later checks may look at its sizes.
+bool check_tensor(const char* name, ConstTensorView t, int rank, std::vector<std::string>& reasons);
+
+// Appends a reason unless dimension d of t (its `what`) equals `expected`,
+// which comes from `source` ("q's batch 2").
+void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
+               const std::string& source, std::vector<std::string>& reasons);
+
+// Appends a reason unless k's hkv KV heads can be shared by hq query heads
+// (grouped-query attention: hkv >= 1 divides hq).
+void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv,
+                       std::vector<std::string>& reasons);
+
 // Checks q, k, v and options; throws qkv::Error listing every problem.
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                         const AttentionOptions& options);

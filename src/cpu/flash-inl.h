@@ -36,8 +36,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Per-thread budget for a task's packed keys and values (KvCache).
 constexpr std::int64_t kKvCacheBytes = std::int64_t{16} << 20;
 
-inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
 // Sizes of one thread's scratch, derived from the plan.
 struct TileShape {
   std::int64_t rows_pad = 0;  // Q tile rows (group x positions), rounded up to the panel width
@@ -59,27 +57,20 @@ struct TileShape {
 //                            can see, when the range mask cuts into it
 struct Scratch {
   explicit Scratch(const TileShape& t)
-      : q(Alloc(t.rows_pad * t.dk)),
-        qa(Alloc(t.rows_pad * t.a_pad)),
-        k(Alloc(t.keys * std::max(t.dk, t.a_pad))),
-        v(Alloc(t.keys * std::max(t.dv_pad, t.dk))),  // also additive K rows
+      : q(AllocFloats(t.rows_pad * t.dk)),
+        qa(AllocFloats(t.rows_pad * t.a_pad)),
+        k(AllocFloats(t.keys * std::max(t.dk, t.a_pad))),
+        v(AllocFloats(t.keys * std::max(t.dv_pad, t.dk))),  // also additive K rows
         // One vector of slack: masks read-modify-write whole vectors that
         // may run past the last row of S^T.
-        s(Alloc(t.keys * t.rows_pad + 64)),
-        o(Alloc(t.rows_pad * t.dv_pad)),
-        row(Alloc(std::max(t.dk, t.dv_pad))),
-        m(Alloc(t.rows_pad)),
-        l(Alloc(t.rows_pad)),
-        alpha(Alloc(t.rows_pad)),
+        s(AllocFloats(t.keys * t.rows_pad + 64)),
+        o(AllocFloats(t.rows_pad * t.dv_pad)),
+        row(AllocFloats(std::max(t.dk, t.dv_pad))),
+        m(AllocFloats(t.rows_pad)),
+        l(AllocFloats(t.rows_pad)),
+        alpha(AllocFloats(t.rows_pad)),
         row_keys(static_cast<std::size_t>(t.rows_pad)),
         panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {}
-
-  static hwy::AlignedFreeUniquePtr<float[]> Alloc(std::int64_t n) {
-    const auto size = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
-    auto p = hwy::AllocateAligned<float>(size);
-    std::fill_n(p.get(), size, 0.0f);  // padding must never hold NaN
-    return p;
-  }
 
   hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l, alpha;
   std::vector<KeySpan> row_keys, panel_keys;
@@ -128,33 +119,6 @@ struct UnitGeometry {
   std::int64_t offset = 0;  // p_i = i + offset
   std::int64_t rows() const { return group * positions; }
 };
-
-inline std::int64_t ElementBytes(DType d) { return d == DType::f32 ? 4 : 2; }
-
-inline const std::uint8_t* At(ConstTensorView t, std::int64_t a, std::int64_t b, std::int64_t c) {
-  return static_cast<const std::uint8_t*>(t.data()) +
-         (a * t.stride(0) + b * t.stride(1) + c * t.stride(2)) * ElementBytes(t.dtype());
-}
-
-// One row of n elements at element stride `stride`, as f32.
-inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t n,
-                              std::int64_t stride, float* HWY_RESTRICT dst) {
-  if (stride == 1) return LoadRowF32(src, dtype, n, dst);
-  for (std::int64_t c = 0; c < n; ++c) {
-    LoadRowF32(src + c * stride * ElementBytes(dtype), dtype, 1, dst + c);
-  }
-}
-
-// Row (a, b, c) of a rank-4 view, the first n elements of its last dim, from
-// f32 (rounded once to the view's dtype).
-inline void StoreViewRow(const float* HWY_RESTRICT src, std::int64_t n, TensorView t,
-                         std::int64_t a, std::int64_t b, std::int64_t c) {
-  auto* dst = const_cast<std::uint8_t*>(At(t, a, b, c));
-  if (t.stride(3) == 1) return StoreRowFromF32(src, n, dst, t.dtype());
-  for (std::int64_t x = 0; x < n; ++x) {
-    StoreRowFromF32(src + x, 1, dst + x * t.stride(3) * ElementBytes(t.dtype()), t.dtype());
-  }
-}
 
 // Rows [j0, j0 + n) of KV head h as f32 into dst [n][ld]; columns [width, ld)
 // are set to zero. With panel_stride > 0 the rows go instead into column
@@ -728,8 +692,8 @@ inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShap
   const std::int64_t floats = n * std::max(plan.problem->dk, shape.dv_pad);
   if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kKvCacheBytes) return {};
   if (floats > sc.cache_capacity) {
-    sc.k_cache = Scratch::Alloc(floats);
-    sc.v_cache = Scratch::Alloc(floats);
+    sc.k_cache = AllocFloats(floats);
+    sc.v_cache = AllocFloats(floats);
     sc.cache_capacity = floats;
   }
   PackRows(plan.k, g.seq, begin, n, last_unit.hkv, plan.problem->dk, sc.k_cache.get());

@@ -80,19 +80,19 @@ inline QueryTile QueryTileAt(float* base, const TileShape& t, std::int64_t dk_pa
 //   pack_row  staging row for packing K as column panels
 struct BackwardScratch {
   BackwardScratch(const TileShape& t, std::int64_t dk_pad)
-      : tile(Scratch::Alloc(QueryTileFloats(t, dk_pad))),
-        dp(Scratch::Alloc(t.keys * t.rows_pad + 64)),
-        pd(Scratch::Alloc(t.keys * t.rows_pad)),
-        raw(Scratch::Alloc(t.keys * t.rows_pad)),
-        k_rows(Scratch::Alloc(t.keys * t.dk)),
-        k_cols(Scratch::Alloc(t.keys * dk_pad)),
-        v_rows(Scratch::Alloc(t.keys * t.dv_pad)),
-        dk(Scratch::Alloc(t.keys * dk_pad)),
-        dv(Scratch::Alloc(t.keys * t.dv_pad)),
-        dq(Scratch::Alloc(t.rows_pad * dk_pad)),
-        out_row(Scratch::Alloc(t.dv_pad)),
-        dout_row(Scratch::Alloc(t.dv_pad)),
-        pack_row(Scratch::Alloc(std::max({dk_pad, t.dv_pad, t.dk}))),
+      : tile(AllocFloats(QueryTileFloats(t, dk_pad))),
+        dp(AllocFloats(t.keys * t.rows_pad + 64)),
+        pd(AllocFloats(t.keys * t.rows_pad)),
+        raw(AllocFloats(t.keys * t.rows_pad)),
+        k_rows(AllocFloats(t.keys * t.dk)),
+        k_cols(AllocFloats(t.keys * dk_pad)),
+        v_rows(AllocFloats(t.keys * t.dv_pad)),
+        dk(AllocFloats(t.keys * dk_pad)),
+        dv(AllocFloats(t.keys * t.dv_pad)),
+        dq(AllocFloats(t.rows_pad * dk_pad)),
+        out_row(AllocFloats(t.dv_pad)),
+        dout_row(AllocFloats(t.dv_pad)),
+        pack_row(AllocFloats(std::max({dk_pad, t.dv_pad, t.dk}))),
         strip_rows(static_cast<std::size_t>(t.keys / kValueStrip + 1)) {}
 
   hwy::AlignedFreeUniquePtr<float[]> tile, dp, pd, raw, k_rows, k_cols, v_rows, dk, dv, dq, out_row,
@@ -327,7 +327,7 @@ inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
   const bool cached = cached_floats * static_cast<std::int64_t>(sizeof(float)) <= kTileCacheBytes;
   if (cached) {
     if (cached_floats > b.cache_capacity) {
-      b.cache = Scratch::Alloc(cached_floats);
+      b.cache = AllocFloats(cached_floats);
       b.cache_capacity = cached_floats;
     }
     for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {

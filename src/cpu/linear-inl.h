@@ -24,18 +24,16 @@
 #include <optional>
 #include <vector>
 
-#include "cpu/flash-inl.h"
 #include "cpu/linear.hpp"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-using Floats = hwy::AlignedFreeUniquePtr<float[]>;
 
 // Positions per split of the non-causal sums over all keys (or queries):
 // their number follows the sequence length only, so the order in which the
@@ -89,26 +87,26 @@ inline LinearShape LinearShapeOf(const LinearPlan& plan) {
 //   xd, fd, gd  a custom map's rows in double
 struct LinearScratch {
   explicit LinearScratch(const LinearShape& s)
-      : x(Scratch::Alloc(s.chunk * s.d)),
-        xk(Scratch::Alloc(s.chunk * s.d)),
-        a(Scratch::Alloc(s.chunk * s.m_pad)),
-        keys(Scratch::Alloc(s.chunk * s.m_pad)),
-        keys_t(Scratch::Alloc(s.m_pad * s.c_pad)),
-        prefix(Scratch::Alloc(s.chunk * s.m_pad)),
-        values(Scratch::Alloc(s.chunk * s.dv_pad)),
-        values_t(Scratch::Alloc(s.dv_pad * s.c_pad)),
-        grad(Scratch::Alloc(s.chunk * s.dv_pad)),
-        square(Scratch::Alloc(s.chunk * s.c_pad)),
-        square2(Scratch::Alloc(s.chunk * s.c_pad)),
-        rows(Scratch::Alloc(s.chunk * std::max(s.m_pad, s.dv_pad))),
-        rows2(Scratch::Alloc(s.chunk * s.dv_pad)),
-        state(Scratch::Alloc(s.unit_heads * s.m_pad * s.dv_pad)),
-        keys_grad(Scratch::Alloc(s.m_pad * s.c_pad)),
-        z(Scratch::Alloc(s.unit_heads * s.m_pad)),
-        r(Scratch::Alloc(s.m_pad)),
-        den(Scratch::Alloc(s.chunk)),
-        c(Scratch::Alloc(s.chunk)),
-        row(Scratch::Alloc(std::max({s.d, s.m_pad, s.dv_pad}))),
+      : x(AllocFloats(s.chunk * s.d)),
+        xk(AllocFloats(s.chunk * s.d)),
+        a(AllocFloats(s.chunk * s.m_pad)),
+        keys(AllocFloats(s.chunk * s.m_pad)),
+        keys_t(AllocFloats(s.m_pad * s.c_pad)),
+        prefix(AllocFloats(s.chunk * s.m_pad)),
+        values(AllocFloats(s.chunk * s.dv_pad)),
+        values_t(AllocFloats(s.dv_pad * s.c_pad)),
+        grad(AllocFloats(s.chunk * s.dv_pad)),
+        square(AllocFloats(s.chunk * s.c_pad)),
+        square2(AllocFloats(s.chunk * s.c_pad)),
+        rows(AllocFloats(s.chunk * std::max(s.m_pad, s.dv_pad))),
+        rows2(AllocFloats(s.chunk * s.dv_pad)),
+        state(AllocFloats(s.unit_heads * s.m_pad * s.dv_pad)),
+        keys_grad(AllocFloats(s.m_pad * s.c_pad)),
+        z(AllocFloats(s.unit_heads * s.m_pad)),
+        r(AllocFloats(s.m_pad)),
+        den(AllocFloats(s.chunk)),
+        c(AllocFloats(s.chunk)),
+        row(AllocFloats(std::max({s.d, s.m_pad, s.dv_pad}))),
         xd(static_cast<std::size_t>(s.d)),
         fd(static_cast<std::size_t>(s.m)),
         gd(static_cast<std::size_t>(s.d)) {}
@@ -482,8 +480,8 @@ inline KeySums SumKeys(const LinearPlan& plan, const LinearShape& s) {
   const std::int64_t chunks = DivCeil(p.nk, s.chunk);
   const std::int64_t splits = SplitCount(p.nk);
   const std::int64_t s_size = s.m * s.dv_pad;
-  Floats partial_s = Scratch::Alloc(heads * splits * s_size);
-  Floats partial_z = Scratch::Alloc(heads * splits * s.m_pad);
+  Floats partial_s = AllocFloats(heads * splits * s_size);
+  Floats partial_z = AllocFloats(heads * splits * s.m_pad);
   ForEachUnit(s, heads * splits, [&](std::int64_t u, LinearScratch& w) {
     const std::int64_t b = u / splits / p.hkv, hk = u / splits % p.hkv;
     float* sum = partial_s.get() + u * s_size;
@@ -501,7 +499,7 @@ inline KeySums SumKeys(const LinearPlan& plan, const LinearShape& s) {
                     s.dv_pad, All(n));
     }
   });
-  KeySums total{Scratch::Alloc(heads * s_size), Scratch::Alloc(heads * s.m_pad)};
+  KeySums total{AllocFloats(heads * s_size), AllocFloats(heads * s.m_pad)};
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t i = 0; i < splits; ++i) {
       AddScaled(1.0f, partial_s.get() + (h * splits + i) * s_size, s_size,

@@ -241,7 +241,7 @@ inline void NonCausalBackward(const LinearPlan& plan, const LinearShape& s, Back
   const detail::LinearProblem& p = *plan.problem;
   const std::int64_t heads = p.batch * p.hkv;
   const KeySums sums = SumKeys(plan, s);
-  Floats st = Scratch::Alloc(heads * s.dv_pad * s.m_pad);  // S^T per head
+  Floats st = AllocFloats(heads * s.dv_pad * s.m_pad);  // S^T per head
   for (std::int64_t h = 0; h < heads; ++h) {
     Transpose(sums.s.get() + h * s.m * s.dv_pad, s.m, s.dv_pad, s.dv_pad,
               st.get() + h * s.dv_pad * s.m_pad, s.m_pad);
@@ -255,8 +255,8 @@ inline void NonCausalBackward(const LinearPlan& plan, const LinearShape& s, Back
 
   const std::int64_t splits = SplitCount(p.nq);
   const std::int64_t r_size = s.m_pad * s.dv_pad;
-  Floats partial_r = Scratch::Alloc(heads * splits * r_size);
-  Floats partial_rv = Scratch::Alloc(heads * splits * s.m_pad);
+  Floats partial_r = AllocFloats(heads * splits * r_size);
+  Floats partial_rv = AllocFloats(heads * splits * s.m_pad);
   ForEachUnit(s, heads * splits, [&](std::int64_t u, LinearScratch& w) {
     const std::int64_t head = u / splits, b = head / p.hkv, hk = head % p.hkv;
     const KeySpan range = SplitChunks(u % splits, splits, q_chunks);
@@ -268,7 +268,7 @@ inline void NonCausalBackward(const LinearPlan& plan, const LinearShape& s, Back
       }
     }
   });
-  Floats R = Scratch::Alloc(heads * r_size), r = Scratch::Alloc(heads * s.m_pad);
+  Floats R = AllocFloats(heads * r_size), r = AllocFloats(heads * s.m_pad);
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t i = 0; i < splits; ++i) {
       AddScaled(1.0f, partial_r.get() + (h * splits + i) * r_size, r_size, R.get() + h * r_size);

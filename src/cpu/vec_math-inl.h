@@ -1,7 +1,7 @@
 // SIMD building blocks of the CPU kernels: an exp for softmax that never
-// returns subnormals, and exact dtype conversions of rows (widening on load,
-// round-to-nearest-even narrowing on store). Compiled once per Highway target
-// by the including .cpp (foreach_target.h), hence the toggled include guard.
+// returns subnormals, exact dtype conversions of rows (widening on load,
+// round-to-nearest-even narrowing on store), and rows of strided views. Compiled once per Highway
+// target by the including .cpp (foreach_target.h), hence the toggled include guard.
 #if defined(QKV_CPU_VEC_MATH_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_VEC_MATH_INL_H_
 #undef QKV_CPU_VEC_MATH_INL_H_
@@ -9,11 +9,14 @@
 #define QKV_CPU_VEC_MATH_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "qkv/dtype.hpp"
+#include "qkv/tensor.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu {
@@ -131,6 +134,49 @@ inline void StoreRowFromF32(const float* HWY_RESTRICT src, std::int64_t n, void*
     hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, d16 + c);
   }
   for (; c < n; ++c) d16[c] = dtype == DType::bf16 ? to_bf16(src[c]).bits : to_f16(src[c]).bits;
+}
+
+using Floats = hwy::AlignedFreeUniquePtr<float[]>;
+
+// n (at least 1) zeroed floats, aligned for any vector: padding must never
+// hold NaN.
+inline Floats AllocFloats(std::int64_t n) {
+  const auto size = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+  Floats p = hwy::AllocateAligned<float>(size);
+  std::fill_n(p.get(), size, 0.0f);
+  return p;
+}
+
+// x rounded up to a multiple of m.
+inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// Bytes per element of the activations' dtypes (f32, or 16-bit).
+inline std::int64_t ElementBytes(DType d) { return d == DType::f32 ? 4 : 2; }
+
+// Row (a, b, c) of a rank-4 view: the address of its first element.
+inline const std::uint8_t* At(ConstTensorView t, std::int64_t a, std::int64_t b, std::int64_t c) {
+  return static_cast<const std::uint8_t*>(t.data()) +
+         (a * t.stride(0) + b * t.stride(1) + c * t.stride(2)) * ElementBytes(t.dtype());
+}
+
+// One row of n elements at element stride `stride`, as f32.
+inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t n,
+                              std::int64_t stride, float* HWY_RESTRICT dst) {
+  if (stride == 1) return LoadRowF32(src, dtype, n, dst);
+  for (std::int64_t c = 0; c < n; ++c) {
+    LoadRowF32(src + c * stride * ElementBytes(dtype), dtype, 1, dst + c);
+  }
+}
+
+// Row (a, b, c) of a rank-4 view, the first n elements of its last dim, from
+// f32 (rounded once to the view's dtype).
+inline void StoreViewRow(const float* HWY_RESTRICT src, std::int64_t n, TensorView t,
+                         std::int64_t a, std::int64_t b, std::int64_t c) {
+  auto* dst = const_cast<std::uint8_t*>(At(t, a, b, c));
+  if (t.stride(3) == 1) return StoreRowFromF32(src, n, dst, t.dtype());
+  for (std::int64_t x = 0; x < n; ++x) {
+    StoreRowFromF32(src + x, 1, dst + x * t.stride(3) * ElementBytes(t.dtype()), t.dtype());
+  }
 }
 
 }  // namespace HWY_NAMESPACE
