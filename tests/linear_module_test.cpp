@@ -61,12 +61,31 @@ TEST(LinearModule, SixteenBitWeightsAndInputsRoundOnce) {
   }
 }
 
+TEST(LinearModule, SingleRowsAndColumnsRunAsVectorProducts) {
+  // One row against 200 outputs (the GEMV split into column blocks, as in a
+  // decode step) and 200 rows against one output (one column).
+  for (auto [rows, in, out] : {std::tuple{1, 37, 200}, {200, 37, 1}, {1, 1, 1}}) {
+    nn::Linear lin(in, out);
+    nn::init_uniform(lin.named_parameters(), 4);
+    const Tensor x = random_tensor(DType::f32, {rows, in}, 6);
+    const Tensor want = linear_in_double(x, lin.weight.value, lin.bias.value);
+    const double tol = 2.0 * (in + 1) * std::ldexp(1.0, -24) * (std::sqrt(double(in)) + 1.0);
+    EXPECT_LE(max_abs_diff(lin.forward(x), want), tol) << rows << "x" << in << "x" << out;
+  }
+}
+
 TEST(LinearModule, BackwardMatchesFiniteDifferences) {
-  for (bool bias : {true, false}) {
-    nn::Linear lin(5, 4, bias, DType::f64);
+  // Shapes where every product of the backward is a vector product: one
+  // output (dW's rows), one input feature (dx's columns), one row.
+  for (auto [rows, in, out, bias] : {std::tuple{6, 5, 4, true},
+                                     {6, 5, 4, false},
+                                     {6, 5, 1, true},
+                                     {6, 1, 4, true},
+                                     {1, 5, 4, true}}) {
+    nn::Linear lin(in, out, bias, DType::f64);
     nn::init_uniform(lin.named_parameters(), 21);
-    Tensor x = random_tensor(DType::f64, {2, 3, 5}, 22);
-    const Tensor w = random_tensor(DType::f64, {2, 3, 4}, 23);
+    Tensor x = random_tensor(DType::f64, {rows, in}, 22);
+    const Tensor w = random_tensor(DType::f64, {rows, out}, 23);
     const Tensor dx = lin.backward(x, w);
     std::vector<GradientTarget> targets{{"x", x.view(), dx.view()},
                                         {"weight", lin.weight.value, lin.weight.grad}};
@@ -107,6 +126,23 @@ TEST(LinearModule, ValidationNamesEveryProblem) {
     EXPECT_NE(std::string(e.what()).find("dy: expected f32"), std::string::npos) << e.what();
   }
   EXPECT_THROW(lin.forward(Tensor(DType::f32, {2, 3})), Error);
+  // No rows: an empty result, and gradients that stay zero.
+  EXPECT_EQ(lin.forward(Tensor(DType::f32, {0, 4})).numel(), 0);
+  EXPECT_EQ(lin.backward(Tensor(DType::f32, {0, 4}), Tensor(DType::f32, {0, 3})).numel(), 0);
+  EXPECT_EQ(max_abs(lin.weight.grad), 0.0);
+  // A parameter replaced by one of another shape is named, not read past its end.
+  lin.weight.value = Tensor(DType::f32, {1, 1});
+  try {
+    lin.forward(Tensor(DType::f32, {2, 4}));
+    FAIL() << "expected qkv::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("weight: expected a floating parameter of sizes [3, 4]"),
+              std::string::npos)
+        << e.what();
+  }
+  // A null view with elements is rejected before BLAS reads it.
+  EXPECT_THROW(
+      nn::Linear(4, 3).forward(ConstTensorView(static_cast<const float*>(nullptr), {2, 4})), Error);
 }
 
 }  // namespace

@@ -219,6 +219,52 @@ TEST(MultiHeadAttentionModule, MasksFollowTorchConventions) {
   }
 }
 
+TEST(MultiHeadAttentionModule, MoreMaskFormsWithGroupedHeads) {
+  MultiHeadAttention m(config(16, 4, 2));
+  nn::init_uniform(m.named_parameters(), 8);
+  const std::int64_t batch = 2, nq = 5, nk = 9;
+  const Tensor q = random_tensor(DType::f32, {batch, nq, 16}, 1);
+  const Tensor kv = random_tensor(DType::f32, {batch, nk, 16}, 2);
+  // A float key_padding_mask (added), and a bool [B * H, Nq, Nk] attn_mask.
+  const Tensor added = random_tensor(DType::f32, {batch, nk}, 3, -3.0, 3.0);
+  Tensor bad(DType::boolean, {batch * 4, nq, nk}), good(DType::boolean, {batch, 4, nq, nk});
+  for (std::int64_t bh = 0; bh < batch * 4; ++bh) {
+    for (std::int64_t i = 0; i < nq; ++i) {
+      for (std::int64_t j = 0; j < nk; ++j) {
+        const bool masked = (bh + 2 * i + j) % 3 == 0;
+        bad.set({bh, i, j}, masked);
+        good.set({bh / 4, bh % 4, i, j}, !masked);
+      }
+    }
+  }
+  {
+    MultiHeadAttentionOptions o;
+    o.key_padding_mask = added;
+    AttentionOptions eq;
+    eq.mask = ConstTensorView(added.view().data(), DType::f32, {batch, 1, 1, nk});
+    expect_matches_composition(m, q, kv, kv, o, eq, "float key_padding_mask");
+  }
+  {
+    MultiHeadAttentionOptions o;
+    o.attn_mask = bad;
+    AttentionOptions eq;
+    eq.mask = good;
+    expect_matches_composition(m, q, kv, kv, o, eq, "bool [B * H, Nq, Nk] attn_mask");
+  }
+  // A sequence whose keys are all padding: its output is the output
+  // projection's bias (zero attention), not NaN.
+  Tensor pad(DType::boolean, {batch, nk});
+  for (std::int64_t j = 0; j < nk; ++j) pad.set({1, j}, 1.0);
+  MultiHeadAttentionOptions o;
+  o.key_padding_mask = pad;
+  const Tensor out = m.forward(q, kv, kv, o).out;
+  for (std::int64_t i = 0; i < nq; ++i) {
+    for (std::int64_t c = 0; c < 16; ++c) {
+      EXPECT_EQ(out.get({1, i, c}), m.out_proj.bias.value.get({c})) << i << "," << c;
+    }
+  }
+}
+
 TEST(MultiHeadAttentionModule, PositionMethodsMatchComposition) {
   for (Position p : {Position::rope, Position::alibi, Position::relative_bias}) {
     MultiHeadAttentionConfig c = config(24, 6, 3, p);

@@ -115,6 +115,19 @@ TEST(Tensor, ZeroInitializedAlignedAndDeepCopied) {
   EXPECT_THROW(a.data<double>(), qkv::Error);
 }
 
+TEST(Tensor, MovedFromIsUndefined) {
+  qkv::Tensor a(qkv::DType::f32, {2, 3});
+  a.set({1, 1}, 5.0);
+  const float* data = a.data<float>();
+  qkv::Tensor b = std::move(a);
+  EXPECT_FALSE(a.defined());  // NOLINT(bugprone-use-after-move): the state is specified
+  EXPECT_EQ(b.data<float>(), data);
+  qkv::Tensor c(qkv::DType::f64, {1});
+  c = std::move(b);
+  EXPECT_FALSE(b.defined());  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(c.get({1, 1}), 5.0);
+}
+
 TEST(Tensor, CopyConvertsAndRounds) {
   double src[3] = {1.0 + std::ldexp(1.0, -11), 0.1, -65520.0};
   const qkv::Tensor h = qkv::to_dtype(qkv::ConstTensorView(src, {3}), qkv::DType::f16);

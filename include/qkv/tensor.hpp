@@ -146,8 +146,9 @@ class Tensor {
       : Tensor(dtype, std::span<const std::int64_t>(sizes.begin(), sizes.size())) {}
   Tensor(const Tensor& other);
   Tensor& operator=(const Tensor& other);
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  // A moved-from tensor is undefined (not a view of memory it gave away).
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
   ~Tensor() = default;
 
   bool defined() const { return view_.defined(); }

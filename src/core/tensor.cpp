@@ -191,6 +191,15 @@ Tensor::Tensor(const Tensor& other) {
   *this = std::move(copy);
 }
 
+Tensor::Tensor(Tensor&& other) noexcept
+    : storage_(std::move(other.storage_)), view_(std::exchange(other.view_, TensorView())) {}
+
+Tensor& Tensor::operator=(Tensor&& other) noexcept {
+  storage_ = std::move(other.storage_);
+  view_ = std::exchange(other.view_, TensorView());
+  return *this;
+}
+
 Tensor& Tensor::operator=(const Tensor& other) {
   if (this != &other) *this = Tensor(other);
   return *this;

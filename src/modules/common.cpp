@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 
+#include "core/validate.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -98,14 +100,25 @@ void gemv(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t 
 
 namespace {
 
-// One block of C on the calling thread: OpenBLAS's OpenMP build splits a call
-// among omp_get_max_threads() threads and rounds differently for different
-// counts, so every block runs with that set to 1 (restored on exit).
+// OpenBLAS's OpenMP build splits a call among omp_get_max_threads() threads
+// and rounds differently for different counts: in this scope that is 1.
+class OneBlasThread {
+ public:
+  OneBlasThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneBlasThread() { omp_set_num_threads(saved_); }
+  OneBlasThread(const OneBlasThread&) = delete;
+  OneBlasThread& operator=(const OneBlasThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+// One block of C on the calling thread. gemm() has checked that every size
+// fits BLAS's int, so nothing here throws inside its parallel loop.
 void serial_gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
                  std::int64_t k, double alpha, const void* a, std::int64_t lda, const void* b,
                  std::int64_t ldb, double beta, void* c, std::int64_t ldc) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
+  const OneBlasThread one;
   // A single row or column is a matrix-vector product: OpenBLAS's GEMM
   // would pack the whole other matrix first (a decode step's projections).
   // (k == 0 stays with GEMM: GEMV returns early without applying beta.)
@@ -127,7 +140,6 @@ void serial_gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::i
                   static_cast<float>(beta), static_cast<float*>(c), lc);
     }
   }
-  omp_set_num_threads(saved);
 }
 
 const char* advance(const void* p, DType dtype, std::int64_t elements) {
@@ -144,6 +156,10 @@ void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t 
           double alpha, const void* a, std::int64_t lda, const void* b, std::int64_t ldb,
           double beta, void* c, std::int64_t ldc, const void* bias) {
   if (bias != nullptr) beta = 1.0;  // each block starts from its bias rows
+  for (const auto& [value, what] :
+       {std::pair{m, "m"}, {n, "n"}, {k, "k"}, {lda, "lda"}, {ldb, "ldb"}, {ldc, "ldc"}}) {
+    blas_int(value, what);
+  }
   if (m == 0 || n == 0) return;
   // C is cut into at most kBlocks blocks of whole rows (of whole columns
   // when it is one row), at least kMinBlock wide, from the sizes alone; each
@@ -244,7 +260,30 @@ bool check_input(const char* name, ConstTensorView x, int rank, const char* shap
                       ", got " + shape_string(x.size_span()));
     ok = false;
   }
-  return ok;
+  return qkv::detail::check_memory(name, x, reasons) && ok;
+}
+
+bool check_parameter(const std::string& name, const Parameter& p,
+                     std::initializer_list<std::int64_t> sizes, std::vector<std::string>& reasons) {
+  const auto has = [&](const Tensor& t) {
+    return std::equal(t.sizes().begin(), t.sizes().begin() + t.rank(), sizes.begin(), sizes.end());
+  };
+  const std::vector<std::int64_t> want(sizes);
+  if (!p.value.defined() || !is_floating(p.value.dtype()) || !has(p.value)) {
+    reasons.push_back(
+        name + ": expected a floating parameter of sizes " + shape_string(want) + ", got " +
+        (p.value.defined()
+             ? std::string(dtype_name(p.value.dtype())) + " " +
+                   shape_string(std::span(p.value.sizes().data(), std::size_t(p.value.rank())))
+             : std::string("none")));
+    return false;
+  }
+  if (p.grad.defined() && !has(p.grad)) {
+    reasons.push_back(name + ".grad: expected sizes " + shape_string(want) + ", got " +
+                      shape_string(std::span(p.grad.sizes().data(), std::size_t(p.grad.rank()))));
+    return false;
+  }
+  return true;
 }
 
 Tensor in_dtype(Tensor t, DType dtype) {

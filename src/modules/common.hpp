@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -44,14 +45,21 @@ void add_row(DType dtype, void* data, std::int64_t rows, std::int64_t cols, cons
 void add_column_sums(DType dtype, const void* data, std::int64_t rows, std::int64_t cols,
                      void* out);
 
-// Appends "name: expected ..., got ..." when x is undefined, not floating, or
-// not of rank `rank`; returns whether it may be used further.
+// Appends "name: expected ..., got ..." when x is undefined, not floating,
+// not of rank `rank` (0: any), or not backed by memory; returns whether it
+// may be used further.
 bool check_input(const char* name, ConstTensorView x, int rank, const char* shape,
                  std::vector<std::string>& reasons);
 
 // t itself (moved, never copied) when it already has `dtype`, else a
 // converted copy: a module's result in its input's dtype.
 Tensor in_dtype(Tensor t, DType dtype);
+
+// Appends a reason unless p's value has exactly `sizes` and a floating dtype,
+// and its gradient, if any, the same sizes (parameters are public members: a
+// caller may have replaced one). Returns whether p may be used.
+bool check_parameter(const std::string& name, const Parameter& p,
+                     std::initializer_list<std::int64_t> sizes, std::vector<std::string>& reasons);
 
 // The sizes of x with the last one replaced by `last`.
 std::vector<std::int64_t> with_last(ConstTensorView x, std::int64_t last);

@@ -46,9 +46,15 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool with_bi
   if (with_bias) bias = make_parameter(dtype, {out_});
 }
 
+void Linear::check_parameters(std::vector<std::string>& reasons) const {
+  detail::check_parameter("weight", weight, {out_, in_}, reasons);
+  if (bias.defined()) detail::check_parameter("bias", bias, {out_}, reasons);
+}
+
 Tensor Linear::forward(ConstTensorView x) const {
   std::vector<std::string> r;
   check_features("x", x, in_, "in_features", r);
+  check_parameters(r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
@@ -70,9 +76,13 @@ Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
     r.push_back("dy: expected the leading dimensions of x " + shape_string(x.size_span()) +
                 ", got " + shape_string(dy.size_span()));
   }
+  check_parameters(r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
+  // Every gradient buffer first: a dtype clash throws before any is changed.
+  Tensor& gw = detail::grad_of(weight, ct);
+  Tensor* gb = bias.defined() ? &detail::grad_of(bias, ct) : nullptr;
   const std::int64_t rows = rows_of(x);
   const detail::Dense xs = detail::dense(x, ct);
   const detail::Dense dys = detail::dense(dy, ct);
@@ -80,12 +90,9 @@ Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
   Tensor dx(ct, x.size_span());
   detail::gemm(ct, false, false, rows, in_, out_, 1.0, dys.data, out_, w.data, in_, 0.0,
                dx.view().data(), in_);
-  Tensor& gw = detail::grad_of(weight, ct);
   detail::gemm(ct, true, false, out_, in_, rows, 1.0, dys.data, out_, xs.data, in_, 1.0,
                gw.view().data(), in_);
-  if (bias.defined()) {
-    detail::add_column_sums(ct, dys.data, rows, out_, detail::grad_of(bias, ct).view().data());
-  }
+  if (gb != nullptr) detail::add_column_sums(ct, dys.data, rows, out_, gb->view().data());
   return detail::in_dtype(std::move(dx), x.dtype());
 }
 

@@ -366,6 +366,23 @@ AttentionOptions attention_options(const MultiHeadAttention& m, std::span<const 
   return a;
 }
 
+// Reasons the input projection parameters no longer have the module's
+// shapes (they are public members; out_proj checks its own).
+void check_projections(const MultiHeadAttention& m, Reasons& r) {
+  const MultiHeadAttentionConfig& c = m.config();
+  const std::int64_t e = c.embed_dim, kv = c.num_kv_heads * m.head_dim();
+  if (m.in_proj_weight.defined()) {
+    detail::check_parameter("in_proj_weight", m.in_proj_weight, {e + 2 * kv, e}, r);
+  } else {
+    detail::check_parameter("q_proj_weight", m.q_proj_weight, {e, e}, r);
+    detail::check_parameter("k_proj_weight", m.k_proj_weight, {kv, c.kdim}, r);
+    detail::check_parameter("v_proj_weight", m.v_proj_weight, {kv, c.vdim}, r);
+  }
+  if (m.in_proj_bias.defined()) {
+    detail::check_parameter("in_proj_bias", m.in_proj_bias, {e + 2 * kv}, r);
+  }
+}
+
 }  // namespace
 
 MultiHeadAttentionResult MultiHeadAttention::forward(ConstTensorView query, ConstTensorView key,
@@ -373,6 +390,7 @@ MultiHeadAttentionResult MultiHeadAttention::forward(ConstTensorView query, Cons
                                                      const MultiHeadAttentionOptions& o) const {
   Reasons r;
   const Call c = check_call(config_, query, key, value, o, r);
+  check_projections(*this, r);
   if (!r.empty()) throw Error(r);
   const DType ct = c.ct;
   const std::int64_t e = config_.embed_dim, h = config_.num_heads, hkv = config_.num_kv_heads;
@@ -455,7 +473,10 @@ MultiHeadAttentionGradients MultiHeadAttention::backward(ConstTensorView query, 
     saved_ok("attn", saved.attn, {c.batch, c.nq, h, dh});
     saved_ok("lse", saved.lse, {c.batch, h, c.nq});
   }
+  check_projections(*this, r);
   if (!r.empty()) throw Error(r);
+  // Every gradient buffer first: a dtype clash throws before any is changed.
+  for (const NamedParameter& p : named_parameters()) detail::grad_of(*p.parameter, ct);
 
   // Output projection: dA = dout Wo, and Wo's gradients.
   const ConstTensorView attn3(saved.attn.view().data(), ct, {c.batch, c.nq, e});
@@ -549,6 +570,7 @@ Tensor MultiHeadAttention::forward_step(ConstTensorView x_new, KvCache& cache) c
   if (config_.position == Position::relative_bias) {
     r.push_back("forward_step: Position::relative_bias is not supported with a KV cache");
   }
+  check_projections(*this, r);
   if (!r.empty()) throw Error(r);
 
   const std::int64_t b = x_new.size(0), n = x_new.size(1);
@@ -562,11 +584,13 @@ Tensor MultiHeadAttention::forward_step(ConstTensorView x_new, KvCache& cache) c
   const std::vector<std::int64_t> start(cache.lengths().begin(), cache.lengths().end());
   const bool rope = config_.position == Position::rope;
   if (rope) apply_rope(q, start, config_.rope);
+  // Allocated before the append, which is the step's last change of state
+  // that a failure could leave behind.
+  Tensor attn(ct, {b, n, h, dh});
   cache.append(k, v, {}, rope ? &config_.rope : nullptr);
 
   AttentionOptions ao;
   ao.alibi_slopes = alibi_;
-  Tensor attn(ct, {b, n, h, dh});
   decode_attention_into(q, cache, attn, {}, ao);
   Tensor out = out_proj.forward(TensorView(attn.view().data(), ct, {b, n, e}));
   return detail::in_dtype(std::move(out), x_new.dtype());

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "qkv/modules/parameter.hpp"
 #include "qkv/tensor.hpp"
@@ -42,6 +44,10 @@ class Linear {
   Parameter bias;    // [out]; undefined without bias
 
  private:
+  // Reasons the parameters no longer have this layer's shapes (they are
+  // public and may have been replaced).
+  void check_parameters(std::vector<std::string>& reasons) const;
+
   std::int64_t in_ = 0;
   std::int64_t out_ = 0;
 };

@@ -27,7 +27,9 @@
 //
 // Masks follow torch: in key_padding_mask and a bool attn_mask, true means
 // "do not attend"; float masks are added to the scores. Unlike torch, a query
-// whose keys are all masked gets zeros, not NaN.
+// whose keys are all masked gets zeros, not NaN, and the weights returned by
+// a training call are the softmax before dropout (torch returns them after).
+// Positions (RoPE, ALiBi, relative bias) count query and key rows from 0.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +75,6 @@ struct MultiHeadAttentionOptions {
   ConstTensorView key_padding_mask;  // [B, Nk]: bool (true = padding) or float (added)
   ConstTensorView attn_mask;         // [Nq, Nk] or [B * H, Nq, Nk]: bool (true = masked) or float
   bool causal = false;               // query i sees keys j <= i (torch's is_causal)
-  std::int64_t position_offset = 0;  // position of query/key row 0 (RoPE, ALiBi, relative bias)
   bool need_weights = false;         // also return the attention weights
   bool average_attn_weights = true;  // weights averaged over heads ([B, Nq, Nk])
   bool training = false;             // apply dropout (config.dropout)
@@ -130,7 +131,9 @@ class MultiHeadAttention {
   // kv_heads = Hkv and head_dim = Dh). Projects them, appends K and V to the
   // cache (rotating K at its positions with Position::rope) and attends the
   // new queries to everything cached, causally; returns [B, n, E]. Supports
-  // Position::none, rope and alibi (positions are the cache lengths).
+  // Position::none, rope and alibi (positions are the cache lengths). Bad
+  // arguments throw before the cache changes; once K and V are appended only
+  // running out of memory can still fail.
   Tensor forward_step(ConstTensorView x_new, KvCache& cache) const;
 
   // Every parameter under its torch name, each preceded by `prefix`.
