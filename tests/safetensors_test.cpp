@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "module_checks.hpp"
 #include "qkv/modules/linear.hpp"
 #include "test_util.hpp"
 
@@ -389,6 +390,15 @@ TEST(Safetensors, LoadConvertsToTheParameterDTypeWithRoundToNearestEven) {
   // save_parameters writes each value in its own dtype.
   nn::save_parameters({{"weight", &p}}, path);
   EXPECT_TRUE(same_bits(nn::load_safetensors(path).at("weight"), p.value));
+}
+
+TEST(Safetensors, SavingANullViewWithElementsIsAnError) {
+  const std::string path = temp_path("null_view");
+  const std::vector<std::string> r = reasons_of([&] {
+    nn::save_safetensors(path, {{"x", ConstTensorView(static_cast<const float*>(nullptr), {4})}});
+  });
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_NE(r[0].find("\"x\""), std::string::npos) << r[0];
 }
 
 }  // namespace

@@ -515,5 +515,24 @@ TEST(VisionModules, CbamMatchesTimmGolden) {
   EXPECT_GT(max_abs_diff(want, x), 1e3 * tol);
 }
 
+TEST(VisionModules, ReplacedParametersAreErrorsAndBackwardChangesNothingOnError) {
+  nn::SqueezeExcitation se(16);
+  se.fc1_weight = nn::make_parameter(DType::f32, {1, 16, 1, 1});  // rd is 8
+  const Tensor x = random_tensor(DType::f32, {1, 16, 3, 3}, 1);
+  const std::vector<std::string> r = reasons_of([&] { se.forward(x); });
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_NE(r[0].find("fc1.weight"), std::string::npos) << r[0];
+
+  nn::Cbam cbam(16);
+  nn::init_uniform(cbam.named_parameters(), 2);
+  cbam.spatial_bn_running_var.value.set({0}, 1.0);
+  // An f64 gradient left on one parameter: the f32 backward refuses before
+  // any gradient (BatchNorm's among them) is changed.
+  cbam.channel_fc1_weight.grad = Tensor(DType::f64, {1, 16, 1, 1});
+  EXPECT_THROW(cbam.backward(x, x), Error);
+  EXPECT_FALSE(cbam.spatial_bn_weight.grad.defined());
+  EXPECT_FALSE(cbam.spatial_conv_weight.grad.defined());
+}
+
 }  // namespace
 }  // namespace qkv::test

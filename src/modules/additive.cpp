@@ -231,8 +231,9 @@ void step_backward(AdditiveAttention& m, const Geometry& g, const T* hid, const 
 
 AdditiveAttention::AdditiveAttention(std::int64_t hidden_size, DType dtype) : hidden_(hidden_size) {
   std::vector<std::string> r;
-  if (hidden_size < 1) {
-    r.push_back("hidden_size: expected >= 1, got " + std::to_string(hidden_size));
+  if (hidden_size < 1 || hidden_size > std::numeric_limits<std::int64_t>::max() / 2) {
+    r.push_back("hidden_size: expected >= 1 (and 2 * hidden_size within int64), got " +
+                std::to_string(hidden_size));
   }
   if (!is_floating(dtype)) {
     r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
@@ -243,11 +244,24 @@ AdditiveAttention::AdditiveAttention(std::int64_t hidden_size, DType dtype) : hi
   v_weight = make_parameter(dtype, {1, hidden_});
 }
 
+namespace {
+
+// Reasons the public parameters no longer have this module's shapes.
+void check_additive_parameters(const AdditiveAttention& m, std::vector<std::string>& r) {
+  const std::int64_t h = m.hidden_size();
+  detail::check_parameter("attn.weight", m.attn_weight, {h, 2 * h}, r);
+  detail::check_parameter("attn.bias", m.attn_bias, {h}, r);
+  detail::check_parameter("v.weight", m.v_weight, {1, h}, r);
+}
+
+}  // namespace
+
 AdditiveAttentionOutput AdditiveAttention::forward(
     ConstTensorView decoder_hidden, ConstTensorView encoder_outputs,
     std::span<const std::int64_t> source_lengths) const {
   std::vector<std::string> r;
   const Geometry g = check_inputs(decoder_hidden, encoder_outputs, source_lengths, hidden_, r);
+  check_additive_parameters(*this, r);
   if (!r.empty()) throw Error(r);
 
   const DType in = encoder_outputs.dtype(), ct = detail::compute_dtype(in);
@@ -283,6 +297,7 @@ AdditiveAttentionGradients AdditiveAttention::backward(ConstTensorView decoder_h
     check_gradient("d_context", d_context, g.batch, hidden_, "[B, H]", r);
     if (d_weights.defined()) check_gradient("d_weights", d_weights, g.batch, g.source, "[B, S]", r);
   }
+  check_additive_parameters(*this, r);
   if (!r.empty()) throw Error(r);
 
   const DType in = encoder_outputs.dtype(), ct = detail::compute_dtype(in);

@@ -616,10 +616,32 @@ void check_running_var(const Cbam& m, double eps, std::vector<std::string>& reas
 
 }  // namespace
 
+namespace {
+
+// Reasons the public parameters no longer have this module's shapes.
+void check_cbam_parameters(const Cbam& m, std::vector<std::string>& r) {
+  const std::int64_t c = m.channels(), rd = m.rd_channels(), k = m.kernel_size();
+  detail::check_parameter("channel.fc1.weight", m.channel_fc1_weight, {rd, c, 1, 1}, r);
+  detail::check_parameter("channel.fc2.weight", m.channel_fc2_weight, {c, rd, 1, 1}, r);
+  if (m.channel_fc1_bias.defined() || m.channel_fc2_bias.defined()) {
+    detail::check_parameter("channel.fc1.bias", m.channel_fc1_bias, {rd}, r);
+    detail::check_parameter("channel.fc2.bias", m.channel_fc2_bias, {c}, r);
+  }
+  detail::check_parameter("spatial.conv.conv.weight", m.spatial_conv_weight, {1, 2, k, k}, r);
+  detail::check_parameter("spatial.conv.bn.weight", m.spatial_bn_weight, {1}, r);
+  detail::check_parameter("spatial.conv.bn.bias", m.spatial_bn_bias, {1}, r);
+  detail::check_parameter("spatial.conv.bn.running_mean", m.spatial_bn_running_mean, {1}, r);
+  detail::check_parameter("spatial.conv.bn.running_var", m.spatial_bn_running_var, {1}, r);
+}
+
+}  // namespace
+
 Tensor Cbam::forward(ConstTensorView x, ImageLayout layout) const {
   std::vector<std::string> r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
-  check_running_var(*this, eps_, r);
+  const std::size_t before = r.size();
+  check_cbam_parameters(*this, r);
+  if (r.size() == before) check_running_var(*this, eps_, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
@@ -637,10 +659,19 @@ Tensor Cbam::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout)
   std::vector<std::string> r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   detail::check_same_sizes(x, dy, r);
-  check_running_var(*this, eps_, r);
+  const std::size_t before = r.size();
+  check_cbam_parameters(*this, r);
+  if (r.size() == before) check_running_var(*this, eps_, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
+  // Every gradient buffer first: a dtype clash throws before any is changed
+  // (the running statistics are buffers, without gradients).
+  for (const NamedParameter& p : named_parameters()) {
+    if (p.parameter != &spatial_bn_running_mean && p.parameter != &spatial_bn_running_var) {
+      detail::grad_of(*p.parameter, ct);
+    }
+  }
   const detail::Dense xs = detail::dense(x, ct);
   const detail::Dense dys = detail::dense(dy, ct);
   Tensor dx(ct, x.size_span());

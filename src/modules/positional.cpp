@@ -78,6 +78,7 @@ LearnedPositionalEmbedding::LearnedPositionalEmbedding(std::int64_t max_position
 Tensor LearnedPositionalEmbedding::forward(ConstTensorView x, std::int64_t start) const {
   Reasons r;
   if (check_sequence("x", x, dim_, r)) check_start(start, x.size(1), max_positions_, r);
+  detail::check_parameter("weight", weight, {max_positions_, dim_}, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
@@ -100,6 +101,7 @@ Tensor LearnedPositionalEmbedding::backward(ConstTensorView x, ConstTensorView d
     r.push_back("dy: expected the sizes of x " + shape_string(x.size_span()) + ", got " +
                 shape_string(dy.size_span()));
   }
+  detail::check_parameter("weight", weight, {max_positions_, dim_}, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
@@ -157,6 +159,7 @@ void RelativePositionBias::backward(ConstTensorView d_table) {
     r.push_back("d_table: expected [H, num_buckets] = [" + to_string(heads_) + ", " +
                 to_string(buckets_) + "], got " + shape_string(d_table.size_span()));
   }
+  detail::check_parameter("relative_attention_bias.weight", weight, {buckets_, heads_}, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(d_table.dtype());
@@ -175,6 +178,7 @@ Tensor RelativePositionBias::bias(std::int64_t nq, std::int64_t nk) const {
   Reasons r;
   if (nq < 0) r.push_back("nq: expected >= 0, got " + to_string(nq));
   if (nk < 0) r.push_back("nk: expected >= 0, got " + to_string(nk));
+  detail::check_parameter("relative_attention_bias.weight", weight, {buckets_, heads_}, r);
   if (!r.empty()) throw Error(r);
 
   const ConstTensorView w = weight.value;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/validate.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -324,10 +325,9 @@ void save_safetensors(const std::string& path,
       r.push_back(path + ": tensor name \"__metadata__\" is reserved for the metadata");
     } else if (!view.defined()) {
       r.push_back(path + ": tensor " + quoted(name) + ": undefined view");
-    } else if (!qkv::detail::extent_fits(view)) {
-      r.push_back(path + ": tensor " + quoted(name) + ": sizes " + shape_string(view.size_span()) +
-                  " address more than 2^63 bytes");
-    } else {
+    } else if (qkv::detail::check_memory((path + ": tensor " + quoted(name)).c_str(), view, r)) {
+      // (Otherwise check_memory named the problem: null data with elements,
+      // or an extent past 2^63 bytes.)
       order.emplace_back(name, view);
     }
   }

@@ -212,9 +212,25 @@ SqueezeExcitation::SqueezeExcitation(std::int64_t channels, const SqueezeExcitat
   }
 }
 
+namespace {
+
+// Reasons the public parameters no longer have this module's shapes.
+void check_se_parameters(const SqueezeExcitation& m, std::vector<std::string>& r) {
+  const std::int64_t c = m.channels(), rd = m.rd_channels();
+  detail::check_parameter("fc1.weight", m.fc1_weight, {rd, c, 1, 1}, r);
+  detail::check_parameter("fc2.weight", m.fc2_weight, {c, rd, 1, 1}, r);
+  if (m.fc1_bias.defined() || m.fc2_bias.defined()) {
+    detail::check_parameter("fc1.bias", m.fc1_bias, {rd}, r);
+    detail::check_parameter("fc2.bias", m.fc2_bias, {c}, r);
+  }
+}
+
+}  // namespace
+
 Tensor SqueezeExcitation::forward(ConstTensorView x, ImageLayout layout) const {
   std::vector<std::string> r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
+  check_se_parameters(*this, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
@@ -232,6 +248,7 @@ Tensor SqueezeExcitation::backward(ConstTensorView x, ConstTensorView dy, ImageL
   std::vector<std::string> r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   detail::check_same_sizes(x, dy, r);
+  check_se_parameters(*this, r);
   if (!r.empty()) throw Error(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
