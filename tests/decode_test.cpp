@@ -97,6 +97,28 @@ TEST(Decode, TokenByTokenEqualsCausalForward) {
   }
 }
 
+// The kernel scores two keys against four query rows at a time and adds
+// P V in tiles of four rows by two vectors: shapes around those tiles
+// (rows per KV head 1..6 and 9, Dk and Dv around the vector width, an odd
+// number of keys past a block of 32).
+TEST(Decode, ShapesAroundTheTiles) {
+  struct Shape {
+    std::int64_t hq, hkv, dk, dv, step;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1},  {3, 1, 7, 15, 1},  {5, 1, 8, 16, 1},
+                          {6, 2, 9, 17, 2}, {4, 4, 17, 33, 1}, {9, 3, 128, 40, 2},
+                          {2, 1, 64, 8, 3}, {12, 4, 24, 64, 3}};
+  std::uint32_t seed = 200;
+  for (const Shape& shape : shapes) {
+    const Sequence s = make_sequence(1, 37, shape.hq, shape.hkv, shape.dk, shape.dv, seed += 3);
+    KvCache cache(config_for(s, DType::f32, 0));
+    expect_matches_forward(s, decode_all(s, cache, shape.step, {}), {},
+                           "Hq " + std::to_string(shape.hq) + " Hkv " + std::to_string(shape.hkv) +
+                               " Dk " + std::to_string(shape.dk) + " Dv " +
+                               std::to_string(shape.dv) + " step " + std::to_string(shape.step));
+  }
+}
+
 TEST(Decode, OptionsMatchTheForward) {
   const Sequence s = make_sequence(1, 45, 4, 1, 32, 32, 11);
   const std::vector<float> slopes = qkv::alibi_slopes(4);

@@ -43,14 +43,15 @@ HWY_AFTER_NAMESPACE();
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "bandwidth_probe.hpp"
-#include "hwy/aligned_allocator.h"
 #include "qkv/error.hpp"
+#include "qkv/tensor.hpp"
 
 namespace qkv::tools {
 
@@ -127,15 +128,18 @@ BandwidthProbe probe_read_bandwidth(int threads) {
       (std::max(kMinBytes, 8 * total_l3_bytes()) / 4096 + threads - 1) / threads);
   const std::size_t slice = slice_pages * kPageFloats;
   const std::size_t floats = slice * static_cast<std::size_t>(threads);
-  auto buffer = hwy::AllocateAligned<float>(floats);
-  if (!buffer) {
+  // A Tensor, so that the buffer has the pages the kernels' tensors and KV
+  // caches get (huge pages where the system offers them).
+  Tensor buffer;
+  try {
+    buffer = Tensor(DType::f32, {static_cast<std::int64_t>(floats)});
+  } catch (const std::bad_alloc&) {
     throw Error("bench: cannot allocate the bandwidth probe's " +
                 std::to_string(floats * sizeof(float) >> 20) + " MiB buffer");
   }
-  // Each thread writes its own slice first, so that on a multi-socket machine
-  // the pages sit in the memory next to the core that reads them (first
-  // touch), and no page fault falls into a timed run.
-  float* data = buffer.get();
+  // Each thread writes its own slice, so that no page fault falls into a
+  // timed run.
+  float* data = buffer.data<float>();
 #pragma omp parallel num_threads(threads)
   for (int s = omp_get_thread_num(); s < threads; s += omp_get_num_threads()) {
     const auto t = static_cast<std::size_t>(s);

@@ -1,6 +1,6 @@
 // Dispatch of decode attention: decode-inl.h is compiled once per Highway
 // target by re-including this file; one dynamic dispatch per call. The plan
-// (work items, split count) and the merge of the splits are plain C++.
+// (work items, split count) is plain C++.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/decode.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -21,13 +21,8 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
-#include <limits>
-
-#include "core/elements.hpp"
 
 namespace qkv::cpu {
 
@@ -86,42 +81,7 @@ DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& option
   return plan;
 }
 
-void decode(DecodePlan& plan) {
-  HWY_DYNAMIC_DISPATCH(Decode)(plan);
-  // Merge the splits of each sequence in key order:
-  // out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<float> row(static_cast<std::size_t>(plan.dv));
-  for (std::size_t first = 0; first < plan.items.size();
-       first += static_cast<std::size_t>(plan.splits)) {
-    const DecodeItem& head = plan.items[first];
-    for (std::int64_t r = 0; r < plan.rows; ++r) {
-      float top = kNegInf;
-      for (std::int64_t s = 0; s < plan.splits; ++s) {
-        top = std::max(top, plan.partial_m[(first + s) * plan.rows + r]);
-      }
-      std::fill(row.begin(), row.end(), 0.0f);
-      float sum = 0.0f;
-      if (top != kNegInf) {
-        for (std::int64_t s = 0; s < plan.splits; ++s) {
-          const std::size_t slot = first + static_cast<std::size_t>(s);
-          const float m = plan.partial_m[slot * plan.rows + r];
-          if (m == kNegInf) continue;
-          const float w = std::exp(m - top);
-          sum += w * plan.partial_l[slot * plan.rows + r];
-          const float* o = plan.partial_o.data() + (slot * plan.rows + r) * plan.dv_pad;
-          for (std::int64_t c = 0; c < plan.dv; ++c) row[c] += w * o[c];
-        }
-      }
-      const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
-      const std::int64_t h = r / plan.n, t = r % plan.n;
-      for (std::int64_t c = 0; c < plan.dv; ++c) plan.out.set({head.b, t, h, c}, row[c] * inv);
-      if (plan.lse.defined()) {
-        plan.lse.set({head.b, h, t}, sum == 0.0f ? kNegInf : top + std::log(sum));
-      }
-    }
-  }
-}
+void decode(DecodePlan& plan) { HWY_DYNAMIC_DISPATCH(Decode)(plan); }
 
 }  // namespace qkv::cpu
 
