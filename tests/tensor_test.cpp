@@ -62,6 +62,87 @@ TEST(DType, Bf16RoundsToNearestEvenWithoutDoubleRounding) {
   EXPECT_TRUE(std::isnan(qkv::to_float(qkv::to_bf16(std::nan("")))));
 }
 
+// Whether `got` is the 16-bit value nearest to f, ties to the even pattern,
+// overflow to infinity: a check by distances in double, independent of how
+// the conversion computes. `widen` maps a pattern to its value, `overflow`
+// is the magnitude from which the format rounds to infinity.
+template <class T, class Widen>
+void expect_nearest_even(float f, T got, std::uint16_t infinity, double overflow, Widen widen) {
+  const auto bits = std::bit_cast<std::uint32_t>(f);
+  ASSERT_EQ((got.bits & 0x8000) != 0, (bits >> 31) != 0) << "sign of float bits " << bits;
+  const std::uint16_t h = got.bits & 0x7fff;
+  const double a = std::fabs(static_cast<double>(f));
+  if (a >= overflow || h == infinity) {
+    EXPECT_TRUE(a >= overflow && h == infinity) << "float bits " << bits << " gave " << got.bits;
+    return;
+  }
+  const double d = std::fabs(a - widen(h));
+  const double below = h > 0 ? std::fabs(a - widen(static_cast<std::uint16_t>(h - 1))) : INFINITY;
+  const double above = std::fabs(a - widen(static_cast<std::uint16_t>(h + 1)));
+  EXPECT_TRUE(d <= below && d <= above) << "float bits " << bits << " gave " << got.bits;
+  if (d == below || d == above) {
+    EXPECT_EQ(h & 1, 0) << "tie at float bits " << bits;
+  }
+}
+
+// Every float near a rounding boundary of f16 or bf16 (each pattern of the
+// bits above the cut, with the cut bits at 0, just below half, half, just
+// above half and all ones), and the neighbours of every f16 value and of
+// every midpoint between two (f16 subnormals round at other bit positions).
+TEST(DType, FloatConversionsRoundToNearestEven) {
+  auto check = [](std::uint32_t bits) {
+    const float f = std::bit_cast<float>(bits);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(qkv::to_float(qkv::to_f16(f)))) << bits;
+      EXPECT_TRUE(std::isnan(qkv::to_float(qkv::to_bf16(f)))) << bits;
+      return;
+    }
+    expect_nearest_even(f, qkv::to_f16(f), 0x7c00, 65520.0,
+                        [](std::uint16_t h) { return static_cast<double>(qkv::to_float(f16{h})); });
+    expect_nearest_even(
+        f, qkv::to_bf16(f), 0x7f80, std::ldexp(2.0 - std::ldexp(1.0, -8), 127),
+        [](std::uint16_t h) { return static_cast<double>(qkv::to_float(bf16{h})); });
+  };
+  for (std::uint32_t high = 0; high < (1u << 19); ++high) {
+    for (const std::uint32_t low : {0x0000u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu}) {
+      check(high << 13 | low);
+    }
+  }
+  for (std::uint32_t high = 0; high < (1u << 16); ++high) {
+    for (const std::uint32_t low : {0x7fffu, 0x8000u, 0x8001u, 0xffffu}) check(high << 16 | low);
+  }
+  for (std::uint32_t h = 0; h < 0x7c00; ++h) {
+    const double value = qkv::to_float(f16{static_cast<std::uint16_t>(h)});
+    const double next = qkv::to_float(f16{static_cast<std::uint16_t>(h + 1)});
+    for (const float f : {static_cast<float>(value), static_cast<float>((value + next) / 2)}) {
+      const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
+      for (std::uint32_t d = 0; d < 3; ++d) {
+        check((bits + d) | 0x80000000u);
+        check(bits + d);
+        if (bits >= d) check(bits - d);
+      }
+    }
+  }
+}
+
+TEST(DType, F16WidensEveryPatternExactly) {
+  for (std::uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+    const float f = qkv::to_float(f16{static_cast<std::uint16_t>(bits)});
+    if (exponent == 31) {
+      EXPECT_EQ(std::isnan(f), mantissa != 0) << bits;
+      if (mantissa == 0) {
+        EXPECT_TRUE(std::isinf(f)) << bits;
+      }
+      continue;
+    }
+    const double magnitude =
+        exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
+    EXPECT_EQ(f, (bits & 0x8000) != 0 ? -magnitude : magnitude) << bits;
+    EXPECT_EQ(std::signbit(f), (bits & 0x8000) != 0) << bits;
+  }
+}
+
 TEST(TensorView, ContiguousStridesAndElementAccess) {
   float data[2 * 3 * 4] = {};
   qkv::TensorView t(data, {2, 3, 4});
