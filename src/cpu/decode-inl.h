@@ -348,36 +348,9 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
         }
       }
     }
-    // Online softmax, a vector of rows at a time. A row with nothing admitted
-    // yet keeps m = -inf and gets weights 0 (exp of -inf against 0).
-    const auto neg_inf = hn::Set(d, kDecodeNegInf);
-    for (std::int64_t r = 0; r < rows_pad; r += lanes) {
-      auto block_max = neg_inf;
-      for (std::int64_t c = 0; c < cols; ++c) {
-        block_max = hn::Max(block_max, hn::Load(d, s + c * rows_pad + r));
-      }
-      const auto m_old = hn::Load(d, m + r);
-      const auto m_new = hn::Max(m_old, block_max);
-      const auto shift = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
-      auto sum = hn::Zero(d);
-      for (std::int64_t c = 0; c < cols; ++c) {
-        const auto p = FastExp(d, hn::Sub(hn::Load(d, s + c * rows_pad + r), shift));
-        hn::Store(p, d, s + c * rows_pad + r);
-        sum = hn::Add(sum, p);
-      }
-      const auto a = FastExp(d, hn::Sub(m_old, shift));
-      hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
-      hn::Store(m_new, d, m + r);
-      hn::Store(a, d, alpha + r);
-    }
-    for (std::int64_t r = 0; r < rows; ++r) {
-      if (alpha[r] == 1.0f) continue;
-      float* orow = o_acc + r * dv_pad;
-      const auto a = hn::Set(d, alpha[r]);
-      for (std::int64_t x = 0; x < dv_pad; x += lanes) {
-        hn::StoreU(hn::Mul(hn::LoadU(d, orow + x), a), d, orow + x);
-      }
-    }
+    // Online softmax, a vector of rows at a time (padding rows included).
+    OnlineSoftmaxBlock(s, rows_pad, cols, rows_pad, m, l, alpha);
+    RescaleRows(o_acc, rows, dv_pad, dv_pad, alpha);
     // O += P V per KV head: tiles of four rows x two vectors of columns.
     const std::int64_t full = dv / lanes * lanes;
     for (std::int64_t hk = 0; hk < hkv_count; ++hk) {

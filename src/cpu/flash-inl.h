@@ -556,38 +556,9 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   ForEachOpenBlock(plan, u, g, shape, cache, sc,
                    [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
                      float* s = sc.s.get();
-                     // Online softmax, vectorized across queries (columns of S^T). Masked
-                     // scores are -inf and give exactly 0; a NaN score gives NaN through the
-                     // exp, the sum and the output, whatever the maximum.
-                     for (std::int64_t r = 0; r < rows_used; r += lanes) {
-                       auto block_max = hn::Set(d, kNegInf);
-                       for (std::int64_t c = 0; c < cols; ++c)
-                         block_max = hn::Max(block_max, hn::Load(d, s + c * rows_pad + r));
-                       const auto m_old = hn::Load(d, m + r);
-                       const auto m_new = hn::Max(m_old, block_max);
-                       // Subtract 0 where nothing is admitted yet, so exp(-inf - 0) = 0.
-                       const auto shift =
-                           hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);
-                       auto sum = hn::Zero(d);
-                       for (std::int64_t c = 0; c < cols; ++c) {
-                         float* x = s + c * rows_pad + r;
-                         const auto pexp = FastExp(d, hn::Sub(hn::Load(d, x), shift));
-                         hn::Store(pexp, d, x);
-                         sum = hn::Add(sum, pexp);
-                       }
-                       const auto a = FastExp(d, hn::Sub(m_old, shift));
-                       hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
-                       hn::Store(m_new, d, m + r);
-                       hn::Store(a, d, alpha + r);
-                     }
-                     for (std::int64_t r = 0; r < rows; ++r) {
-                       if (alpha[r] == 1.0f) continue;  // the running max did not move
-                       float* orow = o + r * shape.dv_pad;
-                       const auto a = hn::Set(d, alpha[r]);
-                       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
-                         hn::Store(hn::Mul(hn::Load(d, orow + c), a), d, orow + c);
-                       }
-                     }
+                     // Online softmax, vectorized across queries (columns of S^T).
+                     OnlineSoftmaxBlock(s, rows_pad, cols, rows_used, m, l, alpha);
+                     RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
                      if (plan.options->dropout_p > 0.0)
                        ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
                      const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);

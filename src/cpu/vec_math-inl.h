@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
@@ -45,6 +46,59 @@ HWY_INLINE V FastExp(D d, V x) {
   const V scale = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(n_int, hn::Set(di, 127))));
   const V result = hn::Mul(p, scale);
   return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33654475f)), result);
+}
+
+// One key block of the online softmax on key-major scores
+// s[c * stride + r] (keys c < cols, query rows r < rows_used, a multiple of
+// the vector width, s and stride aligned), a vector of rows at a time:
+// updates each row's running max m and sum l, replaces the scores by their
+// weights exp(s - m_new) and stores alpha = exp(m_old - m_new), the factor
+// for the output accumulated so far. Masked scores are -inf and give
+// exactly 0; a row with nothing admitted yet keeps m = -inf (its weights are
+// exp(-inf - 0) = 0); a NaN score gives NaN through the exp and the sum.
+inline void OnlineSoftmaxBlock(float* HWY_RESTRICT s, std::int64_t stride, std::int64_t cols,
+                               std::int64_t rows_used, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
+                               float* HWY_RESTRICT alpha) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    auto block_max = neg_inf;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      block_max = hn::Max(block_max, hn::Load(d, s + c * stride + r));
+    }
+    const auto m_old = hn::Load(d, m + r);
+    const auto m_new = hn::Max(m_old, block_max);
+    const auto shift = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
+    auto sum = hn::Zero(d);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      float* x = s + c * stride + r;
+      const auto p = FastExp(d, hn::Sub(hn::Load(d, x), shift));
+      hn::Store(p, d, x);
+      sum = hn::Add(sum, p);
+    }
+    const auto a = FastExp(d, hn::Sub(m_old, shift));
+    hn::Store(hn::MulAdd(a, hn::Load(d, l + r), sum), d, l + r);
+    hn::Store(m_new, d, m + r);
+    hn::Store(a, d, alpha + r);
+  }
+}
+
+// Rows [0, rows) of o (width floats each, ld apart, width a multiple of the
+// vector width) times their alpha, skipping rows whose running max did not
+// move (alpha = 1).
+inline void RescaleRows(float* HWY_RESTRICT o, std::int64_t rows, std::int64_t ld,
+                        std::int64_t width, const float* HWY_RESTRICT alpha) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (alpha[r] == 1.0f) continue;
+    float* row = o + r * ld;
+    const auto a = hn::Set(d, alpha[r]);
+    for (std::int64_t c = 0; c < width; c += lanes) {
+      hn::StoreU(hn::Mul(hn::LoadU(d, row + c), a), d, row + c);
+    }
+  }
 }
 
 // Converts n contiguous elements of `dtype` at `src` to f32 (exact).
