@@ -33,6 +33,8 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Rows fetched ahead when packing rows of a [B, N, H, D] tensor.
+constexpr std::int64_t kRowsAhead = 8;
 // Per-thread budget for a task's packed keys and values (KvCache).
 constexpr std::int64_t kKvCacheBytes = std::int64_t{16} << 20;
 
@@ -134,12 +136,11 @@ inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::
   const std::int64_t row_bytes = t.stride(1) * ElementBytes(t.dtype());
   // In [B, N, H, D] layouts consecutive keys are H * D elements apart, often
   // a page or more, where hardware prefetchers stop: fetch rows ahead.
-  constexpr std::int64_t kAhead = 8;
   const std::int64_t line_span = std::min<std::int64_t>(
       width * t.stride(3) * ElementBytes(t.dtype()), row_bytes > 0 ? row_bytes : 1);
   for (std::int64_t r = 0; r < n; ++r) {
-    if (r + kAhead < n) {
-      const std::uint8_t* ahead = src + (r + kAhead) * row_bytes;
+    if (r + kRowsAhead < n) {
+      const std::uint8_t* ahead = src + (r + kRowsAhead) * row_bytes;
       for (std::int64_t b = 0; b < line_span; b += 64) hwy::Prefetch(ahead + b);
     }
     float* out = panel_stride > 0 ? row : dst + r * ld;
@@ -418,11 +419,18 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
   const bool additive = plan.options->score == Score::additive;
   const auto scale = static_cast<float>(p.scale);
   float* row = sc.row.get();
+  const std::int64_t row_span = p.dq * q.stride(3) * ElementBytes(q.dtype());
   std::fill_n(sc.q.get(), shape.rows_pad * shape.dk, 0.0f);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t r = gi * g.positions + t;
       const std::uint8_t* src = At(q, g.seq.batch, g.seq.q_begin + u.i0 + t, u.hkv * g.group + gi);
+      // Consecutive positions are H * D elements apart: fetch rows ahead, as
+      // PackRows does for keys.
+      if (t + kRowsAhead < g.positions) {
+        const std::uint8_t* ahead = src + kRowsAhead * q.stride(1) * ElementBytes(q.dtype());
+        for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
+      }
       if (additive) {
         LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), sc.q.get() + r * p.dq);
         continue;
@@ -553,18 +561,26 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
 
   // The Q^T panels that hold the unit's rows; padding panels are not computed.
   const std::int64_t rows_used = RoundUp(rows, PanelWidth());
-  ForEachOpenBlock(plan, u, g, shape, cache, sc,
-                   [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
-                     float* s = sc.s.get();
-                     // Online softmax, vectorized across queries (columns of S^T).
-                     OnlineSoftmaxBlock(s, rows_pad, cols, rows_used, m, l, alpha);
-                     RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
-                     if (plan.options->dropout_p > 0.0)
-                       ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
-                     const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
-                     AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.panel_stride,
-                                      shape.dv_pad, o, shape.dv_pad);
-                   });
+  ForEachOpenBlock(
+      plan, u, g, shape, cache, sc,
+      [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
+        float* s = sc.s.get();
+        // Online softmax, vectorized across queries (columns of S^T).
+        if (row_keys == nullptr) {
+          OnlineSoftmaxBlock(s, rows_pad, cols, rows_used, m, l, alpha);
+        } else {
+          // A vector of rows sees at most its Q^T panel's keys.
+          OnlineSoftmaxBlock(s, rows_pad, cols, rows_used, m, l, alpha, [&](std::int64_t r) {
+            const KeySpan k = sc.panel_keys[static_cast<std::size_t>(r / PanelWidth())];
+            return std::pair<std::int64_t, std::int64_t>{k.begin, std::max(k.begin, k.end)};
+          });
+        }
+        RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
+        if (plan.options->dropout_p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
+        const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
+        AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.panel_stride, shape.dv_pad, o,
+                         shape.dv_pad);
+      });
 
   // O / l into out (rounded once), m + log l into lse.
   const TensorView out = plan.out;

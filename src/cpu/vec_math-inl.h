@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
@@ -56,15 +57,21 @@ HWY_INLINE V FastExp(D d, V x) {
 // for the output accumulated so far. Masked scores are -inf and give
 // exactly 0; a row with nothing admitted yet keeps m = -inf (its weights are
 // exp(-inf - 0) = 0); a NaN score gives NaN through the exp and the sum.
+// keys(r) returns the keys {begin, end} that the vector of rows from r may
+// see; the caller guarantees that their scores outside it are masked (-inf),
+// so their weights are stored as 0 without computing them: the same result
+// as the full pass, with the exps of a window's edge blocks skipped.
+template <class KeysOf>
 inline void OnlineSoftmaxBlock(float* HWY_RESTRICT s, std::int64_t stride, std::int64_t cols,
                                std::int64_t rows_used, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
-                               float* HWY_RESTRICT alpha) {
+                               float* HWY_RESTRICT alpha, KeysOf keys) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const auto neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
   for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    const auto [begin, end] = keys(r);
     auto block_max = neg_inf;
-    for (std::int64_t c = 0; c < cols; ++c) {
+    for (std::int64_t c = begin; c < end; ++c) {
       block_max = hn::Max(block_max, hn::Load(d, s + c * stride + r));
     }
     const auto m_old = hn::Load(d, m + r);
@@ -73,6 +80,10 @@ inline void OnlineSoftmaxBlock(float* HWY_RESTRICT s, std::int64_t stride, std::
     auto sum = hn::Zero(d);
     for (std::int64_t c = 0; c < cols; ++c) {
       float* x = s + c * stride + r;
+      if (c < begin || c >= end) {
+        hn::Store(hn::Zero(d), d, x);
+        continue;
+      }
       const auto p = FastExp(d, hn::Sub(hn::Load(d, x), shift));
       hn::Store(p, d, x);
       sum = hn::Add(sum, p);
@@ -82,6 +93,15 @@ inline void OnlineSoftmaxBlock(float* HWY_RESTRICT s, std::int64_t stride, std::
     hn::Store(m_new, d, m + r);
     hn::Store(a, d, alpha + r);
   }
+}
+
+// The same over every key of the block.
+inline void OnlineSoftmaxBlock(float* HWY_RESTRICT s, std::int64_t stride, std::int64_t cols,
+                               std::int64_t rows_used, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
+                               float* HWY_RESTRICT alpha) {
+  OnlineSoftmaxBlock(s, stride, cols, rows_used, m, l, alpha, [cols](std::int64_t) {
+    return std::pair<std::int64_t, std::int64_t>{0, cols};
+  });
 }
 
 // Rows [0, rows) of o (width floats each, ld apart, width a multiple of the
