@@ -36,6 +36,12 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr float kDecodeNegInf = -std::numeric_limits<float>::infinity();
 // Keys per block: their scores for up to 64 rows stay in L1.
 constexpr std::int64_t kDecodeBlock = 32;
+// Tokens per step of the value pass. Its tiles read one line per token at
+// a time, Hkv * Dv elements apart: eight interleaved token rows still look
+// sequential enough to the hardware prefetchers (all 32 of a block, or 16,
+// measured slower, up to 1.7x), and the accumulators' load and store per
+// step stay cheap against 8 tokens of FMAs (4 and 2 measured slower).
+constexpr std::int64_t kValueGroup = 8;
 
 // A vector of f32 from `n` lanes of storage type T at p (T = float,
 // hwy::bfloat16_t or hwy::float16_t), widened exactly.
@@ -221,7 +227,6 @@ struct DecodeScratch {
     return p;
   }
   hwy::AlignedFreeUniquePtr<float[]> s, m, l, alpha;
-  std::uint8_t touched = 0;  // bytes read only to bring them into cache, XORed
 };
 
 // The key range [lo, hi) of row (query token t) of sequence b: causal
@@ -290,7 +295,6 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   const std::int64_t key_bytes = hkv_count * dk * static_cast<std::int64_t>(sizeof(T));
   const std::int64_t value_bytes = hkv_count * dv * static_cast<std::int64_t>(sizeof(T));
   float* s = sc.s.get();
-  std::uint8_t touched = 0;  // the touch loads' result, stored (volatile) below
   const T* keys[kDecodeBlock];
   const T* values[kDecodeBlock];
   for (std::int64_t j0 = item.begin; j0 < item.end; j0 += kDecodeBlock) {
@@ -302,22 +306,17 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Scores s[c][r]: two keys at a time against four rows of their KV head.
     for (std::int64_t c = 0; c < cols; c += 2) {
       const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
-      // The keys of the next pair are prefetched. The tokens' values, read
-      // below by KV head (a stride of Hkv * Dv elements, one line per
-      // token at a time), must be in cache by then: with software prefetch
-      // the value pass still waited on memory for f32 caches, so f32 rows
-      // are touched with one load per line instead, which measured 10-30%
-      // faster at L = 32768; for 16-bit caches prefetch measured as fast or
-      // faster than touching.
+      // Software prefetch: the keys of the next pair and, for 16-bit
+      // caches, the tokens' values (measured 2-6% faster there; for f32
+      // caches it measured slower than leaving the values to the value
+      // pass's own loads, which read them in token order).
       for (std::int64_t t = c; t < c + pair; ++t) {
         if (t + 2 < cols) {
           const auto* next = reinterpret_cast<const std::uint8_t*>(keys[t + 2]);
           for (std::int64_t x = 0; x < key_bytes; x += 64) hwy::Prefetch(next + x);
         }
-        const auto* bytes = reinterpret_cast<const std::uint8_t*>(values[t]);
-        if constexpr (std::is_same_v<T, float>) {
-          for (std::int64_t x = 0; x < value_bytes; x += 64) touched ^= bytes[x];
-        } else {
+        if constexpr (!std::is_same_v<T, float>) {
+          const auto* bytes = reinterpret_cast<const std::uint8_t*>(values[t]);
           for (std::int64_t x = 0; x < value_bytes; x += 64) hwy::Prefetch(bytes + x);
         }
       }
@@ -360,37 +359,42 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, rows_pad, cols, rows_pad, m, l, alpha);
     RescaleRows(o_acc, rows, dv_pad, dv_pad, alpha);
-    // O += P V per KV head: tiles of four rows x two vectors of columns.
+    // O += P V per KV head, kValueGroup tokens at a time: tiles of four
+    // rows x two vectors of columns.
     const std::int64_t full = dv / lanes * lanes;
-    for (std::int64_t hk = 0; hk < hkv_count; ++hk) {
-      for (std::int64_t r = hk * head_rows; r < (hk + 1) * head_rows; r += 4) {
-        WithRows(std::min<std::int64_t>(4, (hk + 1) * head_rows - r), [&](auto kRows) {
-          constexpr int kR = decltype(kRows)::value;
-          std::int64_t x = 0;
-          for (; x + 2 * lanes <= full; x += 2 * lanes) {
-            ValueTile<kR, 2>(d, s + r, rows_pad, values, hk * dv + x, cols, o_acc + r * dv_pad + x,
-                             dv_pad);
-          }
-          if (x < full) {
-            ValueTile<kR, 1>(d, s + r, rows_pad, values, hk * dv + x, cols, o_acc + r * dv_pad + x,
-                             dv_pad);
-          }
-        });
-        // Columns past the last whole vector, in scalars.
-        const std::int64_t row_end = std::min((hk + 1) * head_rows, r + 4);
-        for (std::int64_t e = full; e < dv; ++e) {
-          for (std::int64_t rr = r; rr < row_end; ++rr) {
-            float sum = o_acc[rr * dv_pad + e];
-            for (std::int64_t c = 0; c < cols; ++c) {
-              sum += s[c * rows_pad + rr] * Wide(values[c][hk * dv + e]);
+    for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
+      const std::int64_t gcols = std::min(kValueGroup, cols - g0);
+      const float* sg = s + g0 * rows_pad;
+      const T* const* vg = values + g0;
+      for (std::int64_t hk = 0; hk < hkv_count; ++hk) {
+        for (std::int64_t r = hk * head_rows; r < (hk + 1) * head_rows; r += 4) {
+          WithRows(std::min<std::int64_t>(4, (hk + 1) * head_rows - r), [&](auto kRows) {
+            constexpr int kR = decltype(kRows)::value;
+            std::int64_t x = 0;
+            for (; x + 2 * lanes <= full; x += 2 * lanes) {
+              ValueTile<kR, 2>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
+                               dv_pad);
             }
-            o_acc[rr * dv_pad + e] = sum;
+            if (x < full) {
+              ValueTile<kR, 1>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
+                               dv_pad);
+            }
+          });
+          // Columns past the last whole vector, in scalars.
+          const std::int64_t row_end = std::min((hk + 1) * head_rows, r + 4);
+          for (std::int64_t e = full; e < dv; ++e) {
+            for (std::int64_t rr = r; rr < row_end; ++rr) {
+              float sum = o_acc[rr * dv_pad + e];
+              for (std::int64_t c = 0; c < gcols; ++c) {
+                sum += sg[c * rows_pad + rr] * Wide(vg[c][hk * dv + e]);
+              }
+              o_acc[rr * dv_pad + e] = sum;
+            }
           }
         }
       }
     }
   }
-  *static_cast<volatile std::uint8_t*>(&sc.touched) = touched;
   std::copy_n(m, rows, plan.partial_m.data() + item.slot * rows);
   std::copy_n(l, rows, plan.partial_l.data() + item.slot * rows);
 }
