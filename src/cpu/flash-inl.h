@@ -285,7 +285,17 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
         if (o.causal) hi = hn::Min(hi, hn::Add(pos, hn::Set(d, 1.0f)));
         if (o.window_right >= 0) hi = hn::Min(hi, hn::Add(pos, right));
         lo = hn::Min(lo, nk);
+        // Both ends grow with the position, so every query of the vector
+        // keeps the keys from the last one's lo to the first one's hi:
+        // those need no mask.
+        const std::int64_t last = std::min(t + lanes, g.positions) - 1;
+        const std::int64_t open_begin =
+            std::clamp<std::int64_t>(RangeFor(o, pos0 + last, g.seq.nk).lo - j0, 0, cols);
+        const std::int64_t open_end =
+            std::clamp<std::int64_t>(RangeFor(o, pos0 + t, g.seq.nk).hi - j0, open_begin, cols);
         for (std::int64_t c = 0; c < cols; ++c) {
+          if (c == open_begin) c = open_end;
+          if (c >= cols) break;
           const auto j = hn::Set(d, static_cast<float>(j0 + c));
           const auto keep = hn::And(hn::Ge(j, lo), hn::Lt(j, hi));
           float* x = s + c * rows_pad + r0 + t;
