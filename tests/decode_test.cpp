@@ -162,11 +162,13 @@ TEST(Decode, SequencesOfDifferentLengths) {
             64 * unit_roundoff(DType::f32));
 }
 
+// Pages smaller than the kernel's 32-key blocks (several pages per block),
+// a divisor of it, and pages that end inside a block.
 TEST(Decode, PagedAndContiguousAgreeBitwise) {
   const Sequence s = make_sequence(2, 300, 8, 2, 64, 64, 31);
   KvCache contiguous(config_for(s, DType::f32, 0));
   const Tensor a = decode_all(s, contiguous, 5, {});
-  for (const std::int64_t page : {16, 100}) {
+  for (const std::int64_t page : {5, 16, 100}) {
     KvCache paged(config_for(s, DType::f32, page));
     const Tensor b = decode_all(s, paged, 5, {});
     EXPECT_EQ(max_abs_diff(a, b), 0.0) << "page size " << page;
