@@ -198,16 +198,19 @@ struct Row {
   std::string_view impl;
   Timing timing;
   double gflops = 0.0;
-  double bytes_per_second = 0.0;  // decode: cached K and V bytes read per second
+  double bytes_per_second = 0.0;        // decode: cached K and V bytes read per second
+  double peak_gflops = 0.0;             // the FMA peak the row is read against (ProbeBracket)
+  double probe_bytes_per_second = 0.0;  // decode: the read bandwidth likewise
 };
 
-// The probes of one run; `bandwidth` is probed only when a decode case runs.
+// The probes at the start of a run; `bandwidth` is probed only when a decode
+// case runs.
 struct Probes {
   PeakProbe peak;
   std::optional<BandwidthProbe> bandwidth;
 };
 
-std::string json_line(const Row& r, const Probes& probes, int threads, const char* target) {
+std::string json_line(const Row& r, int threads, const char* target) {
   const Case& c = *r.c;
   const std::string_view suite = suite_name(c.pass);
   char text[1024];
@@ -223,12 +226,11 @@ std::string json_line(const Row& r, const Probes& probes, int threads, const cha
       static_cast<long long>(c.b), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
       static_cast<long long>(c.nq), static_cast<long long>(c.nk), static_cast<long long>(c.d),
       c.causal ? "true" : "false", static_cast<long long>(c.window_left),
-      static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops,
-      probes.peak.gflops, r.gflops / probes.peak.gflops,
-      static_cast<long long>(r.timing.extra_bytes), target);
+      static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops, r.peak_gflops,
+      r.gflops / r.peak_gflops, static_cast<long long>(r.timing.extra_bytes), target);
   std::string line = text;
   if (c.pass == Pass::decode) {
-    const double bandwidth = probes.bandwidth->bytes_per_second;
+    const double bandwidth = r.probe_bytes_per_second;
     std::snprintf(text, sizeof text,
                   ",\"cache_dtype\":\"%.*s\",\"L\":%lld,\"bytes_per_second\":%.6g,"
                   "\"probe_bytes_per_second\":%.6g,\"fraction_of_bandwidth\":%.4g,"
@@ -242,20 +244,20 @@ std::string json_line(const Row& r, const Probes& probes, int threads, const cha
   return line + "}";
 }
 
-std::string table_line(const Row& r, const Probes& probes, int name_width) {
+std::string table_line(const Row& r, int name_width) {
   char text[512];
   if (r.c->pass == Pass::decode) {
     std::snprintf(text, sizeof text, "%-*s  %-5.*s  %10.3f  %9.2f  %9.1f  %10.1f  %9.1f  %9.1f",
                   name_width, r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
                   r.timing.seconds * 1e3, r.bytes_per_second / 1e9,
-                  100.0 * r.bytes_per_second / probes.bandwidth->bytes_per_second,
+                  100.0 * r.bytes_per_second / r.probe_bytes_per_second,
                   static_cast<double>(r.c->b * r.c->nq) / r.timing.seconds, r.gflops,
                   static_cast<double>(r.timing.extra_bytes) / 1e6);
     return text;
   }
   std::snprintf(text, sizeof text, "%-*s  %-5.*s  %10.3f  %9.1f  %9.1f  %9.1f", name_width,
                 r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
-                r.timing.seconds * 1e3, r.gflops, 100.0 * r.gflops / probes.peak.gflops,
+                r.timing.seconds * 1e3, r.gflops, 100.0 * r.gflops / r.peak_gflops,
                 static_cast<double>(r.timing.extra_bytes) / 1e6);
   return text;
 }
@@ -437,6 +439,13 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
     out << header << std::endl;
   }
 
+  ProbeBracket peak_bracket([&] { return probe_fma_peak(options.threads).gflops; }, peak.gflops);
+  std::optional<ProbeBracket> bandwidth_bracket;
+  if (probes.bandwidth) {
+    bandwidth_bracket.emplace(
+        [&] { return probe_read_bandwidth(options.threads).bytes_per_second; },
+        probes.bandwidth->bytes_per_second);
+  }
   int run = 0;
   bool checks_passed = true;
   std::optional<bool> decode_table;  // which table header was printed last
@@ -505,12 +514,18 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                << " " << impl.name << " ..." << (options.live_progress ? "\033[K" : "\n")
                << std::flush;
       const Timing timing = measure(impl.run, options.repeats);
-      const Row row{
-          &c, impl.name, timing, flops / timing.seconds / 1e9,
-          c.pass == Pass::decode ? static_cast<double>(cache_bytes(c)) / timing.seconds : 0.0};
+      Row row{&c, impl.name, timing, flops / timing.seconds / 1e9};
+      if (c.pass == Pass::decode) {
+        // Decoding reads memory: probe the bandwidth again; the peak stands.
+        row.bytes_per_second = static_cast<double>(cache_bytes(c)) / timing.seconds;
+        row.probe_bytes_per_second = bandwidth_bracket->next();
+        row.peak_gflops = peak_bracket.last();
+      } else {
+        row.peak_gflops = peak_bracket.next();
+      }
       if (options.live_progress) progress << "\r\033[K" << std::flush;
       if (options.json) {
-        out << json_line(row, probes, options.threads, target) << std::endl;
+        out << json_line(row, options.threads, target) << std::endl;
       } else {
         const bool decode = c.pass == Pass::decode;
         if (decode_table != decode) {
@@ -518,7 +533,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
           out << table_header(name_width, decode) << "\n";
           decode_table = decode;
         }
-        out << table_line(row, probes, name_width) << std::endl;
+        out << table_line(row, name_width) << std::endl;
       }
       if (!options.check || !c.naive) continue;
       if (impl.name == "qkv") {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__GLIBC__)
@@ -107,6 +108,19 @@ std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
                 "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n",
                 peak.gflops, peak.target, peak.threads, cpu::flash_target(), options.repeats);
   return line + columns;
+}
+
+ProbeBracket::ProbeBracket(std::function<double()> probe, double first)
+    : probe_(std::move(probe)), last_(first), last_time_(std::chrono::steady_clock::now()) {}
+
+double ProbeBracket::next() {
+  const std::chrono::duration<double> since = std::chrono::steady_clock::now() - last_time_;
+  if (since.count() < kReprobeSeconds) return last_;
+  const double after = probe_();
+  const double larger = std::max(last_, after);
+  last_ = after;
+  last_time_ = std::chrono::steady_clock::now();
+  return larger;
 }
 
 void report_progress(std::ostream& progress, const BenchOptions& options, std::size_t run,

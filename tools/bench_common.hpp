@@ -2,6 +2,7 @@
 // of repeated runs, and peak resident memory growth.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -38,6 +39,27 @@ std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
 // terminal, one line each in a log.
 void report_progress(std::ostream& progress, const BenchOptions& options, std::size_t run,
                      std::size_t total, const std::string& name);
+
+// The probe value each case is read against. On a shared machine the probes
+// move by up to 2x within minutes, so a probe from the start of a long run
+// says little about a case timed later: after a case, once kReprobeSeconds
+// have passed since the last probe, `probe` runs again and the case is read
+// against the larger (the stricter reading) of the probes just before and
+// just after its timed runs; the probe after one case is the one before the
+// next. Runs of short cases (the smoke tests) probe only now and then.
+class ProbeBracket {
+ public:
+  static constexpr double kReprobeSeconds = 2.0;
+  ProbeBracket(std::function<double()> probe, double first);
+  // The value for the case just timed.
+  double next();
+  double last() const { return last_; }
+
+ private:
+  std::function<double()> probe_;
+  double last_;
+  std::chrono::steady_clock::time_point last_time_;
+};
 
 // One warm-up run, then `repeats` timed runs. The memory window opens before
 // the warm-up so that scratch allocated once and kept is counted too.

@@ -162,6 +162,7 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
   out << probe_line(peak, options, line) << std::endl;
 
   // seconds by (curve, N) for the fits
+  ProbeBracket peak_bracket([&] { return probe_fma_peak(options.threads).gflops; }, peak.gflops);
   std::vector<std::vector<std::pair<double, double>>> fits(std::size(kCurves));
   std::size_t run = 0;
   for (const Point& p : points) {
@@ -191,6 +192,7 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
     }
     const Timing t = measure(call, options.repeats);
     const double gflops = flops / t.seconds / 1e9;
+    const double peak_gflops = peak_bracket.next();
     if (options.live_progress) progress << "\r\033[K" << std::flush;
     if (options.json) {
       std::snprintf(line, sizeof line,
@@ -200,11 +202,11 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
                     "\"work\":%.6g,\"extra_bytes\":%lld}",
                     p.name.c_str(), p.curve->name, static_cast<long long>(p.n),
                     static_cast<long long>(kHeads), static_cast<long long>(kDim), options.threads,
-                    t.seconds, gflops, peak.gflops, gflops / peak.gflops, work,
+                    t.seconds, gflops, peak_gflops, gflops / peak_gflops, work,
                     static_cast<long long>(t.extra_bytes));
     } else {
       std::snprintf(line, sizeof line, "%-28s  %12.3f  %9.1f  %9.1f  %14.4g", p.name.c_str(),
-                    t.seconds * 1e3, gflops, 100.0 * gflops / peak.gflops, work);
+                    t.seconds * 1e3, gflops, 100.0 * gflops / peak_gflops, work);
     }
     out << line << std::endl;
     if (p.n * options.shrink >= kFitFrom) {
