@@ -2,14 +2,16 @@
 """Markdown tables from `qkv bench --json` output (files, or stdin).
 
 One row per case: qkv and naive side by side, GFLOP/s, fraction of the FMA
-peak measured in the same run, and extra resident memory. Output of
+peak probed around the case in the same run, and extra resident memory. Output of
 `--suite all` gives one table per suite (forward, backward, decode), each
 under its own heading; backward GFLOP/s count 2.5 times the forward's flops.
 
 Decode rows (one new query per sequence against a KV cache) get their own
 columns: milliseconds per step, GB/s of cached keys and values read, that
-rate as a fraction of the read bandwidth probed in the same run, and tokens
-per second. Output of `bench/compare_torch.py --json` among the inputs adds
+the read bandwidth probed around the case (`qkv bench` probes again after a
+case once 2 s have passed and reads it against the larger of the probes
+before and after it), that rate as a fraction of it, and tokens per
+second. Output of `bench/compare_torch.py --json` among the inputs adds
 PyTorch's time and the speedup (torch / qkv, both from that script's own run)
 to the decode rows of the same names.
 
@@ -31,8 +33,9 @@ from typing import Any, Iterable
 HEADER = ("| case | qkv ms | qkv GFLOP/s | qkv % peak | naive ms | naive % peak | qkv / naive "
           "| qkv extra MB | naive extra MB |")
 ALIGN = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-DECODE_HEADER = "| case | cache | ms | GB/s | % of bandwidth | tokens/s | extra MB |"
-DECODE_ALIGN = "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
+DECODE_HEADER = ("| case | cache | ms | GB/s | probe GB/s | % of bandwidth | tokens/s "
+                 "| extra MB |")
+DECODE_ALIGN = "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 TORCH_HEADER = " torch ms | speedup vs torch |"
 TORCH_ALIGN = " ---: | ---: |"
 
@@ -57,7 +60,8 @@ def decode_row(name: str, q: dict[str, Any], torch: dict[str, Any] | None,
                with_torch: bool) -> str:
     """One decode table row; the torch cells (empty without a comparison) if with_torch."""
     cells = [name, q["cache_dtype"], f"{q['seconds'] * 1e3:.2f}",
-             f"{q['bytes_per_second'] / 1e9:.2f}", f"{100 * q['fraction_of_bandwidth']:.1f}",
+             f"{q['bytes_per_second'] / 1e9:.2f}", f"{q['probe_bytes_per_second'] / 1e9:.1f}",
+             f"{100 * q['fraction_of_bandwidth']:.1f}",
              f"{q['tokens_per_second']:.1f}", f"{q['extra_bytes'] / 2**20:.1f}"]
     if with_torch:
         cells += ([f"{torch['torch_seconds'] * 1e3:.2f}", f"{torch['speedup']:.2f}x"]
@@ -91,7 +95,7 @@ def main() -> None:
             suites.setdefault(record["suite"], {}).setdefault(record["name"], {})[
                 record["impl"]] = record
     if probe:
-        text = f"FMA peak {probe['peak_gflops']:.1f} GFLOP/s"
+        text = f"At the start: FMA peak {probe['peak_gflops']:.1f} GFLOP/s"
         if "probe_bytes_per_second" in probe:
             text += (f", read bandwidth {probe['probe_bytes_per_second'] / 1e9:.1f} GB/s"
                      f" ({probe['probe_buffer_bytes'] / 2**20:.0f} MiB buffer)")
