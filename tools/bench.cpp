@@ -424,9 +424,9 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
     }
     out << header << "}" << std::endl;
   } else {
-    int length =
-        std::snprintf(header, sizeof header, "FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
-                      peak.gflops, peak.target, peak.threads);
+    int length = std::snprintf(header, sizeof header,
+                               "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
+                               peak.gflops, peak.target, peak.threads);
     if (probes.bandwidth) {
       length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
                               "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads); ",
@@ -435,7 +435,8 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                               probes.bandwidth->threads);
     }
     std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                  "kernels: %s; median of %d runs", target, options.repeats);
+                  "kernels: %s; median of %d runs, each case against the probes around it", target,
+                  options.repeats);
     out << header << std::endl;
   }
 

@@ -105,7 +105,8 @@ std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
     return line;
   }
   std::snprintf(line, sizeof line,
-                "FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median of %d runs\n",
+                "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median "
+                "of %d runs, each case against the probes around it\n",
                 peak.gflops, peak.target, peak.threads, cpu::flash_target(), options.repeats);
   return line + columns;
 }
