@@ -47,6 +47,40 @@ struct TileShape {
   std::int64_t a_pad = 0;     // additive attention size rounded up to the vector
 };
 
+// Keys [begin, begin + n) of a task's KV head, packed as f32: K rows
+// [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR).
+// Keys [begin, packed) hold data: the task packs them as its units reach
+// them (PackThrough). Null pointers: not cached, pack each block on the fly.
+struct KvCache {
+  float* k = nullptr;
+  float* v = nullptr;
+  std::int64_t begin = 0;
+  std::int64_t packed = 0;
+  std::int64_t v_panel_stride = 0;
+};
+
+// Software prefetches of the `rows` K and V rows that the next unit will
+// pack, a few rows per call of Next() so that they overlap the current
+// unit's arithmetic: rows of a [B, N, H, D] tensor lie H * D elements apart,
+// beyond what hardware prefetchers follow, and packing them unfetched stalls
+// on memory.
+struct RowPrefetch {
+  const std::uint8_t* k = nullptr;          // first K row
+  const std::uint8_t* v = nullptr;          // first V row
+  std::int64_t k_stride = 0, v_stride = 0;  // bytes between rows
+  std::int64_t k_span = 0, v_span = 0;      // bytes of each row
+  std::int64_t rows = 0;
+  std::int64_t per_call = 0;  // rows per call of Next
+  std::int64_t row = 0;       // the next row
+
+  HWY_INLINE void Next() {
+    for (std::int64_t i = 0; i < per_call && row < rows; ++i, ++row) {
+      for (std::int64_t x = 0; x < k_span; x += 64) hwy::Prefetch(k + row * k_stride + x);
+      for (std::int64_t x = 0; x < v_span; x += 64) hwy::Prefetch(v + row * v_stride + x);
+    }
+  }
+};
+
 // One thread's buffers, allocated once per call. Shapes:
 //   q    Q^T panels [rows_pad / NR][Dk][NR] (scaled), or Q rows [rows][Dq]
 //   qa   additive: Q W_q^T [rows_pad][a_pad]
@@ -79,16 +113,7 @@ struct Scratch {
   // A task's keys and values packed once for all its units (see KvCache).
   hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
   std::int64_t cache_capacity = 0;  // floats in each of k_cache and v_cache
-};
-
-// Keys [begin, begin + n) of a task's KV head, packed as f32: K rows
-// [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR).
-// Null pointers: not cached, pack each block on the fly.
-struct KvCache {
-  const float* k = nullptr;
-  const float* v = nullptr;
-  std::int64_t begin = 0;
-  std::int64_t v_panel_stride = 0;
+  RowPrefetch ahead;                // rows the next unit of the task packs
 };
 
 // V rows of a key block for AccumulateValues: column panels of NR floats,
@@ -544,9 +569,11 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
         BlockKeySpans(plan, u, g, j0, cols, pattern_cut, sc);
       }
     }
+    sc.ahead.Next();
     BlockScores(plan, u, g, shape, cache, j0, cols, spans ? sc.panel_keys.data() : nullptr, sc);
     ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_class == BlockClass::partial,
                   sc.s.get(), shape.rows_pad);
+    sc.ahead.Next();
     f(j0, cols, spans ? sc.row_keys.data() : nullptr);
   }
 }
@@ -672,10 +699,10 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
                    });
 }
 
-// Packs the keys and values a task needs once, when they fit the per-thread
-// budget: consecutive keys of a [B, N, H, D] tensor lie H * D elements apart,
-// so packing them block by block for every unit would re-read every key from
-// a different page each time.
+// The buffers for the keys and values a task needs, when they fit the
+// per-thread budget: consecutive keys of a [B, N, H, D] tensor lie H * D
+// elements apart, so packing them block by block for every unit would
+// re-read every key from a different page each time. Nothing is packed yet.
 inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShape& shape,
                          Scratch& sc) {
   const Unit& first_unit = plan.units[static_cast<std::size_t>(task.unit_begin)];
@@ -693,11 +720,43 @@ inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShap
     sc.v_cache = AllocFloats(floats);
     sc.cache_capacity = floats;
   }
-  PackRows(plan.k, g.seq, begin, n, last_unit.hkv, plan.problem->dk, sc.k_cache.get());
-  const std::int64_t v_stride = n * ValueWidth();
-  PackRows(plan.v, g.seq, begin, n, last_unit.hkv, shape.dv_pad, sc.v_cache.get(), v_stride,
-           sc.row.get());
-  return {sc.k_cache.get(), sc.v_cache.get(), begin, v_stride};
+  return {sc.k_cache.get(), sc.v_cache.get(), begin, begin, n * ValueWidth()};
+}
+
+// The end of the keys unit u reads: its last row's highest key.
+inline std::int64_t KeysEnd(const FlashPlan& plan, const Unit& u) {
+  const UnitGeometry g = GeometryOf(plan, u);
+  return std::min(SpanOf(plan, u, g).last.hi, g.seq.nk_rows);
+}
+
+// Packs the cache's keys up to `end` (units visit keys in increasing order,
+// so each key is packed once, just before its first use), then points
+// sc.ahead at the rows up to `next_end` that the following unit will pack,
+// spread over the `calls` calls of Next() that unit u makes.
+inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& shape,
+                        std::int64_t end, std::int64_t next_end, std::int64_t calls, KvCache& cache,
+                        Scratch& sc) {
+  const UnitGeometry g = GeometryOf(plan, u);
+  if (end > cache.packed) {
+    const std::int64_t n = end - cache.packed;
+    const std::int64_t at = cache.packed - cache.begin;
+    PackRows(plan.k, g.seq, cache.packed, n, u.hkv, plan.problem->dk,
+             cache.k + at * plan.problem->dk);
+    PackRows(plan.v, g.seq, cache.packed, n, u.hkv, shape.dv_pad, cache.v + at * ValueWidth(),
+             cache.v_panel_stride, sc.row.get());
+    cache.packed = end;
+  }
+  RowPrefetch& a = sc.ahead;
+  a.rows = std::max<std::int64_t>(0, next_end - cache.packed);
+  a.row = 0;
+  if (a.rows == 0) return;
+  a.k = At(plan.k, g.seq.batch, g.seq.k_begin + cache.packed, u.hkv);
+  a.v = At(plan.v, g.seq.batch, g.seq.k_begin + cache.packed, u.hkv);
+  a.k_stride = plan.k.stride(1) * ElementBytes(plan.k.dtype());
+  a.v_stride = plan.v.stride(1) * ElementBytes(plan.v.dtype());
+  a.k_span = plan.problem->dk * plan.k.stride(3) * ElementBytes(plan.k.dtype());
+  a.v_span = plan.problem->dv * plan.v.stride(3) * ElementBytes(plan.v.dtype());
+  a.per_call = (a.rows + calls - 1) / std::max<std::int64_t>(calls, 1);
 }
 
 // Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch.
@@ -711,9 +770,21 @@ void ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
       const Task& task = plan.tasks[static_cast<std::size_t>(i)];
-      const KvCache cache = CacheTask(plan, task, shape, scratch);
+      KvCache cache = CacheTask(plan, task, shape, scratch);
+      scratch.ahead.rows = 0;
+      std::int64_t end = KeysEnd(plan, plan.units[static_cast<std::size_t>(task.unit_begin)]);
       for (std::int64_t u = task.unit_begin; u < task.unit_end; ++u) {
-        unit_fn(plan, plan.units[static_cast<std::size_t>(u)], shape, cache, scratch);
+        const Unit& unit = plan.units[static_cast<std::size_t>(u)];
+        if (cache.k != nullptr) {
+          const std::int64_t next_end =
+              u + 1 < task.unit_end ? KeysEnd(plan, plan.units[static_cast<std::size_t>(u + 1)])
+                                    : end;
+          const BlockSpan span = SpanOf(plan, unit, GeometryOf(plan, unit));
+          PackThrough(plan, unit, shape, end, next_end, 2 * (span.end - span.begin), cache,
+                      scratch);
+          end = next_end;
+        }
+        unit_fn(plan, unit, shape, cache, scratch);
       }
     }
   }

@@ -188,17 +188,17 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
         if (classify_blocks) blocks += seq_blocks;
       }
       // Split the head's units into tasks: as few as keep every thread busy
-      // (each task packs its keys once), and under a window few enough rows
-      // that the task's keys (its rows plus the window) stay in the L2 cache
-      // rather than being packed far ahead of use. Results do not depend on
-      // the split.
+      // (each task packs its keys once, and the first unit of a task packs
+      // its whole window without the previous unit's prefetch), and under a
+      // window few enough rows (16 windows) that the task's packed keys stay
+      // well inside the per-thread budget. Results do not depend on the split.
       const auto head_units = static_cast<std::int64_t>(plan.units.size()) - head_begin;
       std::int64_t chunks = (4 * threads + heads - 1) / heads;
       if (options.window_left >= 0) {
         const std::int64_t window =
             options.window_left + 1 + std::max<std::int64_t>(0, options.window_right);
         const std::int64_t task_units =
-            std::max<std::int64_t>(1, 2 * window / plan.positions_per_unit);
+            std::max<std::int64_t>(1, 16 * window / plan.positions_per_unit);
         chunks = std::max(chunks, (head_units + task_units - 1) / task_units);
       }
       chunks = std::clamp<std::int64_t>(chunks, 1, std::max<std::int64_t>(head_units, 1));
