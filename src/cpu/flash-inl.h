@@ -732,11 +732,12 @@ inline std::int64_t KeysEnd(const FlashPlan& plan, const Unit& u) {
 // Packs the cache's keys up to `end` (units visit keys in increasing order,
 // so each key is packed once, just before its first use), then points
 // sc.ahead at the rows up to `next_end` that the following unit will pack,
-// spread over the `calls` calls of Next() that unit u makes.
+// spread over the calls of Next() that unit u makes (two per key block).
 inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& shape,
-                        std::int64_t end, std::int64_t next_end, std::int64_t calls, KvCache& cache,
-                        Scratch& sc) {
+                        std::int64_t end, std::int64_t next_end, KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
+  const BlockSpan span = SpanOf(plan, u, g);
+  const std::int64_t calls = 2 * (span.end - span.begin);
   if (end > cache.packed) {
     const std::int64_t n = end - cache.packed;
     const std::int64_t at = cache.packed - cache.begin;
@@ -779,9 +780,7 @@ void ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
           const std::int64_t next_end =
               u + 1 < task.unit_end ? KeysEnd(plan, plan.units[static_cast<std::size_t>(u + 1)])
                                     : end;
-          const BlockSpan span = SpanOf(plan, unit, GeometryOf(plan, unit));
-          PackThrough(plan, unit, shape, end, next_end, 2 * (span.end - span.begin), cache,
-                      scratch);
+          PackThrough(plan, unit, shape, end, next_end, cache, scratch);
           end = next_end;
         }
         unit_fn(plan, unit, shape, cache, scratch);
