@@ -101,7 +101,8 @@ class BasicTensorView {
   std::span<const std::int64_t> stride_span() const {
     return {strides_.data(), std::size_t(rank_)};
   }
-  // Number of elements (1 for rank 0).
+  // Number of elements (1 for rank 0; INT64_MAX when the count overflows
+  // int64, which no allocation can back).
   std::int64_t numel() const;
   // True when the elements are laid out row-major without gaps.
   bool is_contiguous() const;
@@ -193,7 +194,9 @@ class Tensor {
 };
 
 // Copies `src` into `dst` (same sizes, any strides), converting the dtype with
-// RNE rounding. Throws qkv::Error if the sizes differ or `dst` overlaps itself.
+// RNE rounding. Throws qkv::Error, writing nothing, if a view is undefined or
+// not backed by memory, the sizes differ, `dst` overlaps itself, or the two
+// share memory (an element-wise copy would read elements it has overwritten).
 void copy(ConstTensorView src, TensorView dst);
 // A contiguous copy of `src` in `dtype`.
 Tensor to_dtype(ConstTensorView src, DType dtype);

@@ -11,45 +11,65 @@
 namespace qkv {
 namespace {
 
-// `mods` are the tile hooks of the options' callables; null means "derive
-// them from the std::function options".
-void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
-         ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
-         const detail::TileMods* mods) {
-  if (!detail::use_fast_kernels(options, problem.dtype)) {
-    reference::attention(problem, q, k, v, outputs, options);
-    return;
-  }
+// The fused kernels on a validated call; returns whether every output they
+// wrote is finite. `mods` are the tile hooks of the options' callables; null
+// means "derive them from the std::function options".
+bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
+              ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
+              const detail::TileMods* mods) {
   if (const detail::DilatedSplit split = detail::dilated_split(problem, options);
       split.dilation > 1 && mods == nullptr && !outputs.probs.defined()) {
     // One dense window problem per residue class (see dilated_split).
     const AttentionOptions window = split.window_options(options);
+    bool finite = true;
     for (std::int64_t c = 0; c < std::min(split.dilation, problem.nq); ++c) {
       const auto rows = [&](auto t, int dim) {
         return detail::every_nth(t, dim, c, split.dilation);
       };
       const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
-      run(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
-          {rows(outputs.out, 1), rows(outputs.lse, 2), {}}, window, nullptr);
+      finite &= run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
+                         {rows(outputs.out, 1), rows(outputs.lse, 2), {}}, window, nullptr);
     }
-    return;
+    return finite;
   }
   // Without inlined callables, tile hooks that call the std::function
   // options (element by element, through std::function).
   const detail::FlexCallables<ScoreMod, MaskMod> functions{options.score_mod, options.mask_mod};
   const detail::TileMods function_mods = detail::function_tile_mods(functions);
-  // The probabilities pass needs the lse even when the caller did not ask.
-  Tensor lse_scratch;
+  // The probabilities pass needs the lse even when the caller did not ask,
+  // and each row's maximum and sum.
+  const std::int64_t stat_sizes[] = {problem.batch, problem.hq, problem.nq};
+  Tensor lse_scratch, row_max, row_sum;
   TensorView lse = outputs.lse;
   if (!lse.defined()) {
-    lse_scratch = Tensor(DType::f32, {problem.batch, problem.hq, problem.nq});
+    lse_scratch = Tensor(DType::f32, stat_sizes);
     lse = lse_scratch;
   }
-  const cpu::FlashPlan plan =
-      cpu::make_plan(problem, options, mods != nullptr ? *mods : function_mods, q, k, v,
-                     outputs.out, lse, outputs.probs);
-  cpu::flash_forward(plan);
+  cpu::FlashPlan plan = cpu::make_plan(problem, options, mods != nullptr ? *mods : function_mods, q,
+                                       k, v, outputs.out, lse, outputs.probs);
+  if (outputs.probs.defined()) {
+    row_max = Tensor(DType::f32, stat_sizes);
+    row_sum = Tensor(DType::f32, stat_sizes);
+    plan.row_max = row_max;
+    plan.row_sum = row_sum;
+  }
+  const bool finite = cpu::flash_forward(plan);
   if (outputs.probs.defined()) cpu::flash_probabilities(plan);
+  return finite;
+}
+
+// Runs a validated call on the backend the options choose. A fused result
+// that holds a NaN or an infinity is recomputed by the reference, which
+// defines it: f32 scores may have overflowed where doubles do not, or a
+// weight of exactly 0 met a NaN or inf value (see docs/semantics.md).
+void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
+         ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
+         const detail::TileMods* mods) {
+  if (detail::use_fast_kernels(options, problem.dtype) &&
+      run_fast(problem, q, k, v, outputs, options, mods)) {
+    return;
+  }
+  reference::attention(problem, q, k, v, outputs, options);
 }
 
 AttentionResult allocate_and_run(ConstTensorView q, ConstTensorView k, ConstTensorView v,

@@ -12,18 +12,15 @@
 namespace qkv {
 namespace {
 
-void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-         const GradientOutputs& grads, const AttentionOptions& o) {
-  // The fused backward handles dot-product scores; the additive score's
-  // backward runs the reference.
-  if (!detail::use_fast_kernels(o, p.dtype, o.score != Score::additive)) {
-    reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
-    return;
-  }
+// The fused backward on a validated call; returns whether every gradient it
+// wrote is finite.
+bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+              ConstTensorView v, ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+              const GradientOutputs& grads, const AttentionOptions& o) {
   if (const detail::DilatedSplit split = detail::dilated_split(p, o); split.dilation > 1) {
     // One dense window problem per residue class (see dilated_split).
     const AttentionOptions window = split.window_options(o);
+    bool finite = true;
     for (std::int64_t c = 0; c < std::min(split.dilation, p.nq); ++c) {
       const auto rows = [&](auto t, int dim) {
         return detail::every_nth(t, dim, c, split.dilation);
@@ -33,17 +30,31 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
       gc.dq = rows(grads.dq, 1);
       gc.dk = rows(grads.dk, 1);
       gc.dv = rows(grads.dv, 1);
-      run(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc, rows(out, 1),
-          rows(dout, 1), rows(lse, 2), gc, window);
+      finite &= run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
+                         rows(out, 1), rows(dout, 1), rows(lse, 2), gc, window);
     }
-    return;
+    return finite;
   }
   // mask_mod through std::function, one call per element of partial tiles.
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
   const cpu::FlashPlan plan =
       cpu::make_plan(p, o, mods, q, k, v, {}, {}, {}, cpu::flash_backward_config());
-  cpu::flash_backward(plan, {out, dout, lse, grads});
+  return cpu::flash_backward(plan, {out, dout, lse, grads});
+}
+
+// Runs a validated call on the backend the options choose: the fused
+// backward for dot-product scores, the reference for the additive score. A
+// fused result holding a NaN or an infinity is recomputed by the reference,
+// which defines it (see docs/semantics.md).
+void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+         const GradientOutputs& grads, const AttentionOptions& o) {
+  if (detail::use_fast_kernels(o, p.dtype, o.score != Score::additive) &&
+      run_fast(p, q, k, v, out, dout, lse, grads, o)) {
+    return;
+  }
+  reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
 }
 
 detail::AttentionProblem check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -84,31 +95,7 @@ void attention_backward_into(ConstTensorView q, ConstTensorView k, ConstTensorVi
                              ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
                              const GradientOutputs& grads, const AttentionOptions& o) {
   const detail::AttentionProblem p = check_inputs(q, k, v, out, dout, lse, o);
-  const ConstTensorView inputs[] = {q,
-                                    k,
-                                    v,
-                                    out,
-                                    dout,
-                                    lse,
-                                    o.mask,
-                                    o.additive.w_q,
-                                    o.additive.w_k,
-                                    o.additive.v,
-                                    o.additive.bias,
-                                    o.relative_bias.table};
-  const char* const names[] = {"q",
-                               "k",
-                               "v",
-                               "out",
-                               "dout",
-                               "lse",
-                               "options.mask",
-                               "options.additive.w_q",
-                               "options.additive.w_k",
-                               "options.additive.v",
-                               "options.additive.bias",
-                               "options.relative_bias.table"};
-  detail::check_gradient_outputs(p, inputs, names, o, grads);
+  detail::check_gradient_outputs(p, q, k, v, out, dout, lse, o, grads);
   run(p, q, k, v, out, dout, lse, grads, o);
 }
 

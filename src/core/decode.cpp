@@ -8,65 +8,21 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/validate.hpp"
 #include "cpu/decode.hpp"
 
 namespace qkv {
 namespace {
 
-using Reasons = std::vector<std::string>;
+using detail::Reasons;
 using std::to_string;
 
 // The longest query block decode handles; longer ones are a prefill, which
 // qkv::attention runs on dense tensors.
 constexpr std::int64_t kMaxNewTokens = 16;
 
-void check_decode(ConstTensorView q, const KvCache& cache, ConstTensorView out, ConstTensorView lse,
-                  const AttentionOptions& o, Reasons& r) {
-  const KvCacheConfig& c = cache.config();
-  if (!q.defined() || q.rank() != 4) {
-    r.push_back("q: expected a rank-4 tensor [B, n, Hq, Dk]");
-    return;
-  }
-  if (!is_floating(q.dtype())) r.push_back("q: expected dtype f32, f64, f16 or bf16");
-  const std::int64_t b = q.size(0), n = q.size(1), hq = q.size(2), dk = q.size(3);
-  if (b != c.batch) {
-    r.push_back("q: expected batch size (dim 0) " + to_string(c.batch) +
-                " to match the cache, got " + to_string(b));
-  }
-  if (n < 1 || n > kMaxNewTokens) {
-    r.push_back("q: expected 1 to " + to_string(kMaxNewTokens) + " new tokens (dim 1), got " +
-                to_string(n) + " (use qkv::attention for longer query blocks)");
-  }
-  if (hq < 1 || hq % c.kv_heads != 0) {
-    r.push_back("q: query heads Hq = " + to_string(hq) +
-                " must be a positive multiple of the cache's KV heads " + to_string(c.kv_heads));
-  }
-  if (dk != c.head_dim) {
-    r.push_back("q: expected head dim (dim 3) " + to_string(c.head_dim) +
-                " to match the cache, got " + to_string(dk));
-  }
-  for (std::int64_t s = 0; s < std::min(b, c.batch); ++s) {
-    if (cache.length(s) < n) {
-      r.push_back("cache: sequence " + to_string(s) + " holds " + to_string(cache.length(s)) +
-                  " tokens, fewer than the " + to_string(n) +
-                  " new queries (append their keys and values first)");
-    }
-  }
-  const auto check_view = [&](const char* name, ConstTensorView t, std::vector<std::int64_t> sizes,
-                              DType dtype) {
-    if (!t.defined()) return;
-    bool ok = t.rank() == static_cast<int>(sizes.size());
-    for (std::size_t d = 0; ok && d < sizes.size(); ++d)
-      ok = t.size(static_cast<int>(d)) == sizes[d];
-    if (!ok) r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes));
-    if (t.dtype() != dtype) {
-      r.push_back(std::string(name) + ": expected dtype " + std::string(dtype_name(dtype)));
-    }
-  };
-  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
-  check_view("out", out, {b, n, hq, cache.value_dim()}, q.dtype());
-  check_view("lse", lse, {b, hq, n}, stat);
-  // What decode does not take.
+// What decode does not take: the options that need dense keys or a backward.
+void check_unsupported(const AttentionOptions& o, Reasons& r) {
   if (o.mask.defined()) r.push_back("options.mask: not supported by decode_attention");
   if (!o.key_lengths.empty()) {
     r.push_back(
@@ -81,24 +37,80 @@ void check_decode(ConstTensorView q, const KvCache& cache, ConstTensorView out, 
   if (o.score_mod || o.mask_mod) {
     r.push_back("options.score_mod/mask_mod: not supported by decode_attention");
   }
-  if (o.sparse.defined()) {
-    r.push_back("options.sparse: not supported by decode_attention");
-  }
-  if (o.score == Score::additive)
+  if (o.sparse.defined()) r.push_back("options.sparse: not supported by decode_attention");
+  if (o.score == Score::additive) {
     r.push_back("options.score: Score::additive is not supported by decode_attention");
-  if (o.dropout_p != 0.0) r.push_back("options.dropout_p: decoding has no dropout");
+  }
+  if (o.dropout_p != 0.0) {
+    r.push_back("options.dropout_p: expected 0 (decoding has no dropout), got " +
+                detail::num(o.dropout_p));
+  }
   if (o.window_right >= 0) {
-    r.push_back("options.window_right: decode queries see no keys after them (causal)");
+    r.push_back("options.window_right: expected -1 (decode queries see no keys after them), got " +
+                to_string(o.window_right));
   }
-  if (o.window_left < -1) r.push_back("options.window_left: expected -1 or a size >= 0");
-  if (!(o.softcap >= 0.0)) r.push_back("options.softcap: expected 0 (off) or > 0");
-  if (!o.alibi_slopes.empty() && static_cast<std::int64_t>(o.alibi_slopes.size()) != hq &&
-      static_cast<std::int64_t>(o.alibi_slopes.size()) != b * hq) {
-    r.push_back("options.alibi_slopes: expected Hq or B * Hq slopes");
+}
+
+// The shape of a validated decode call.
+struct DecodeShape {
+  std::int64_t batch = 0, n = 0, hq = 0, dv = 0;
+  DType dtype = DType::f32, stat_dtype = DType::f32;
+};
+
+// Checks q, the options and (when given) out and lse, before anything is
+// allocated or written; throws qkv::Error listing every problem.
+DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorView* out,
+                         ConstTensorView lse, const AttentionOptions& o) {
+  const KvCacheConfig& c = cache.config();
+  Reasons r;
+  detail::check_scalar_options(o, r);
+  check_unsupported(o, r);
+  DecodeShape shape;
+  if (!detail::check_view("q", q, {.rank = 4, .layout = "[B, n, Hq, Dk]", .floating = true}, r)) {
+    detail::throw_if(r);
   }
-  if (o.backend == Backend::fast && q.dtype() == DType::f64) {
-    r.push_back("options.backend: Backend::fast takes f32, f16 or bf16 queries, got f64");
+  shape = {q.size(0),         q.size(1), q.size(2),
+           cache.value_dim(), q.dtype(), q.dtype() == DType::f64 ? DType::f64 : DType::f32};
+  const std::int64_t dk = q.size(3);
+  if (shape.batch != c.batch) {
+    r.push_back("q: expected batch size (dim 0) " + to_string(c.batch) +
+                " to match the cache, got " + to_string(shape.batch));
   }
+  if (shape.n < 1 || shape.n > kMaxNewTokens) {
+    r.push_back("q: expected 1 to " + to_string(kMaxNewTokens) + " new tokens (dim 1), got " +
+                to_string(shape.n) + " (use qkv::attention for longer query blocks)");
+  }
+  if (shape.hq < 1 || shape.hq % c.kv_heads != 0) {
+    r.push_back("q: expected query heads Hq (dim 2) a positive multiple of the cache's KV heads " +
+                to_string(c.kv_heads) + ", got " + to_string(shape.hq));
+  }
+  if (dk != c.head_dim) {
+    r.push_back("q: expected head dim (dim 3) " + to_string(c.head_dim) +
+                " to match the cache, got " + to_string(dk));
+  }
+  for (std::int64_t s = 0; s < std::min(shape.batch, c.batch); ++s) {
+    if (cache.length(s) < shape.n) {
+      r.push_back("cache: sequence " + to_string(s) + " holds " + to_string(cache.length(s)) +
+                  " tokens, fewer than the " + to_string(shape.n) +
+                  " new queries (append their keys and values first)");
+    }
+  }
+  detail::check_scale(o, dk, r);
+  detail::check_alibi(o, shape.hq, shape.batch, false, r);
+  detail::check_fast_dtype(o.backend, shape.dtype, r);
+  if (out != nullptr) {
+    detail::Aliasing aliasing;
+    aliasing.input("q", q);
+    const std::int64_t out_sizes[] = {shape.batch, shape.n, shape.hq, shape.dv};
+    const std::int64_t lse_sizes[] = {shape.batch, shape.hq, shape.n};
+    detail::check_output("out", *out, {.sizes = out_sizes, .dtype = shape.dtype}, aliasing, r);
+    if (lse.defined()) {
+      detail::check_output("lse", lse, {.sizes = lse_sizes, .dtype = shape.stat_dtype}, aliasing,
+                           r);
+    }
+  }
+  detail::throw_if(r);
+  return shape;
 }
 
 // The reference: the cache gathered into dense [B, Lmax, Hkv, D] tensors and
@@ -145,38 +157,33 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   });
 }
 
+// Runs a validated call. A fused result holding a NaN or an infinity is
+// recomputed by the reference, which defines it (see docs/semantics.md).
 void run(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
          const AttentionOptions& o) {
-  Reasons r;
-  check_decode(q, cache, out, lse, o, r);
-  if (!r.empty()) throw Error(r);
-  if (o.backend == Backend::reference || q.dtype() == DType::f64) {
-    reference_decode(q, cache, out, lse, o);
-    return;
+  if (o.backend != Backend::reference && q.dtype() != DType::f64) {
+    cpu::DecodePlan plan = cpu::make_decode_plan(cache, o, q, out, lse);
+    cpu::decode(plan);
+    if (detail::all_finite(out) && (!lse.defined() || detail::all_finite(lse, true))) return;
   }
-  cpu::DecodePlan plan = cpu::make_decode_plan(cache, o, q, out, lse);
-  cpu::decode(plan);
+  reference_decode(q, cache, out, lse, o);
 }
 
 }  // namespace
 
 AttentionResult decode_attention(ConstTensorView q, const KvCache& cache,
                                  const AttentionOptions& options) {
+  const DecodeShape s = check_decode(q, cache, nullptr, {}, options);
   AttentionResult result;
-  if (q.defined() && q.rank() == 4) {
-    result.out = Tensor(q.dtype(), {q.size(0), q.size(1), q.size(2), cache.value_dim()});
-    if (options.return_lse) {
-      result.lse = Tensor(q.dtype() == DType::f64 ? DType::f64 : DType::f32,
-                          {q.size(0), q.size(2), q.size(1)});
-    }
-  }
+  result.out = Tensor(s.dtype, {s.batch, s.n, s.hq, s.dv});
+  if (options.return_lse) result.lse = Tensor(s.stat_dtype, {s.batch, s.hq, s.n});
   run(q, cache, result.out, result.lse.view(), options);
   return result;
 }
 
 void decode_attention_into(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
                            const AttentionOptions& options) {
-  if (!out.defined()) throw Error(std::string("out: required tensor is undefined"));
+  check_decode(q, cache, &out, lse, options);
   run(q, cache, out, lse, options);
 }
 

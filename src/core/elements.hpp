@@ -3,6 +3,7 @@
 // checks. Slow by design (a switch per element); never used by fast kernels.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -71,6 +72,24 @@ void for_each_index(const Shape& sizes, int rank, F&& f) {
     }
     if (d < 0) return;
   }
+}
+
+// Sets every element of t to `value` (rounded once to its dtype).
+inline void fill(TensorView t, double value) {
+  for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
+    store(t.data(), t.dtype(), offset(idx, t.strides(), t.rank()), value);
+  });
+}
+
+// Whether no element of t is NaN, nor an infinity other than -inf when
+// `negative_infinity` allows it (a logsumexp of a row without keys).
+inline bool all_finite(ConstTensorView t, bool negative_infinity = false) {
+  bool finite = true;
+  for_each_index(t.sizes(), t.rank(), [&](const Shape& idx) {
+    const double x = load(t.data(), t.dtype(), offset(idx, t.strides(), t.rank()));
+    finite = finite && (std::isfinite(x) || (negative_infinity && x < 0 && std::isinf(x)));
+  });
+  return finite;
 }
 
 // Byte range [begin, end) spanned by a view's elements; empty for no elements.

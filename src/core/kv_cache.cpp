@@ -11,6 +11,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -257,15 +258,6 @@ std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch)
          ")";
 }
 
-// a * b * ... into `out`; false on int64 overflow.
-bool product(std::initializer_list<std::int64_t> factors, std::int64_t& out) {
-  out = 1;
-  for (std::int64_t f : factors) {
-    if (__builtin_mul_overflow(out, f, &out)) return false;
-  }
-  return true;
-}
-
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
 // Checks a call of apply_rope (or its backward, whose tensor is `name`),
@@ -485,14 +477,15 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   // Pages one sequence may need at most; the pool size when not given.
   const std::int64_t per_sequence = ceil_div(c.capacity, tokens);
   std::int64_t pages = paged() ? c.num_pages : c.batch;
-  if (pages == 0 && !product({c.batch, per_sequence}, pages)) {
+  if (pages == 0 && !detail::checked_product({c.batch, per_sequence}, pages)) {
     r.push_back("config.num_pages: the default batch * ceil(capacity / page_size) = " +
                 to_string(c.batch) + " * " + to_string(per_sequence) + " overflows int64");
   }
   const auto bytes = static_cast<std::int64_t>(dtype_size(c.dtype));
   std::int64_t storage_bytes = 0;
   if (r.empty() &&
-      !product({pages, tokens, c.kv_heads, std::max(c.head_dim, dv), bytes}, storage_bytes)) {
+      !detail::checked_product({pages, tokens, c.kv_heads, std::max(c.head_dim, dv), bytes},
+                               storage_bytes)) {
     r.push_back("config: storage of " + to_string(pages) + " pages of " + to_string(tokens) +
                 " tokens x " + to_string(c.kv_heads) + " heads x " +
                 to_string(std::max(c.head_dim, dv)) + " elements of " + str(c.dtype) +
@@ -502,19 +495,24 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
 
   keys_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, c.head_dim});
   values_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, dv});
-  lengths_.assign(static_cast<std::size_t>(c.batch), 0);
-  tables_.resize(static_cast<std::size_t>(c.batch));
-  if (paged()) {
-    // Reserved now so that appending pages to a table never allocates (and so
-    // never throws) once an append has passed its checks.
-    for (auto& table : tables_) {
-      table.reserve(static_cast<std::size_t>(std::min(per_sequence, pages)));
+  try {
+    lengths_.assign(static_cast<std::size_t>(c.batch), 0);
+    tables_.resize(static_cast<std::size_t>(c.batch));
+    if (paged()) {
+      // Reserved now so that appending pages to a table never allocates (and
+      // so never throws) once an append has passed its checks.
+      for (auto& table : tables_) {
+        table.reserve(static_cast<std::size_t>(std::min(per_sequence, pages)));
+      }
+      // Ascending order is already a min-heap.
+      free_.resize(static_cast<std::size_t>(pages));
+      for (std::int64_t p = 0; p < pages; ++p) free_[p] = p;
+    } else {
+      for (std::int64_t b = 0; b < c.batch; ++b) tables_[b] = {b};
     }
-    // Ascending order is already a min-heap.
-    free_.resize(static_cast<std::size_t>(pages));
-    for (std::int64_t p = 0; p < pages; ++p) free_[p] = p;
-  } else {
-    for (std::int64_t b = 0; b < c.batch; ++b) tables_[b] = {b};
+  } catch (const std::bad_alloc&) {
+    throw Error("config: the block tables of " + to_string(c.batch) + " sequences and " +
+                to_string(pages) + " pages do not fit in memory");
   }
 }
 

@@ -2,7 +2,6 @@
 // qkv::Error), allocate, dispatch once to the reference or the fast kernels.
 #include "core/linear.hpp"
 
-#include <charconv>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -16,61 +15,17 @@ namespace qkv {
 namespace detail {
 namespace {
 
-using Reasons = std::vector<std::string>;
 using std::to_string;
 
 // The longest chunk the fast kernels take: their per-thread scratch holds a
 // few chunk x chunk tiles.
 constexpr std::int64_t kMaxChunk = 1024;
 
-std::string str(DType d) { return std::string(dtype_name(d)); }
-std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
-
-// Shortest text that reads back as x ("1e-06", "-inf", "nan").
-std::string num(double x) {
-  char text[32];
-  return {text, std::to_chars(text, text + sizeof text, x).ptr};
-}
-
-// A view the call writes or reads whole (out, dout, gradients, state): defined,
-// exact sizes and dtype, backed; outputs also must not overlap themselves or
-// any view in `others`.
-void check_view(const char* name, ConstTensorView t, std::vector<std::int64_t> sizes, DType dtype,
-                bool output, std::span<const ConstTensorView> others,
-                std::span<const char* const> other_names, Reasons& r) {
-  if (!t.defined()) {
-    r.push_back(std::string(name) + ": required tensor is undefined");
-    return;
-  }
-  bool same = t.rank() == static_cast<int>(sizes.size());
-  for (std::size_t d = 0; same && d < sizes.size(); ++d) {
-    same = t.size(static_cast<int>(d)) == sizes[d];
-  }
-  if (!same) {
-    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
-                shape_of(t));
-  }
-  if (t.dtype() != dtype) {
-    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
-  }
-  if (!check_memory(name, t, r) || !output) return;
-  if (const std::string reason = self_overlap_reason(t); !reason.empty()) {
-    r.push_back(std::string(name) + ": " + reason);
-  }
-  const ByteRange range = byte_range(t);
-  for (std::size_t i = 0; i < others.size(); ++i) {
-    if (others[i].defined() && range.overlaps(byte_range(others[i]))) {
-      r.push_back(std::string(name) + ": memory overlaps " + other_names[i] +
-                  " (outputs must not alias an input or another output)");
-    }
-  }
-}
-
 void check_tensors(ConstTensorView q, ConstTensorView k, ConstTensorView v, LinearProblem& p,
                    Reasons& r) {
-  const bool q_ok = check_tensor("q", q, 4, r);
-  const bool k_ok = check_tensor("k", k, 4, r);
-  const bool v_ok = check_tensor("v", v, 4, r);
+  const bool q_ok = check_view("q", q, {.rank = 4}, r);
+  const bool k_ok = check_view("k", k, {.rank = 4}, r);
+  const bool v_ok = check_view("v", v, {.rank = 4}, r);
   if (q.defined() && !is_floating(q.dtype())) {
     r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
   }
@@ -149,19 +104,11 @@ void check_options(const LinearAttentionOptions& o, LinearProblem& p, Reasons& r
     case Backend::reference:
       break;
     case Backend::fast:
-      if (p.dtype == DType::f64) {
-        r.push_back(
-            "options.backend: Backend::fast computes in f32 and takes f32, f16 or bf16 inputs, "
-            "got f64 (use Backend::reference or Backend::automatic)");
-      }
+      check_fast_dtype(o.backend, p.dtype, r);
       break;
     default:
       r.push_back("options.backend: unknown value " + to_string(static_cast<int>(o.backend)));
   }
-}
-
-void throw_if(const Reasons& r) {
-  if (!r.empty()) throw Error(r);
 }
 
 // The sizes of a validated problem's state: s, then z.
@@ -173,14 +120,16 @@ std::vector<std::int64_t> sum_sizes(const LinearProblem& p) { return {p.batch, p
 // out, and the state when given, against a validated problem.
 void check_outputs(const LinearProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                    ConstTensorView out, const LinearAttentionState* state, Reasons& r) {
-  const ConstTensorView views[] = {q, k, v, out,
-                                   state != nullptr ? state->s.view() : ConstTensorView()};
-  const char* const names[] = {"q", "k", "v", "out", "state.s"};
-  check_view("out", out, {p.batch, p.nq, p.hq, p.dv}, p.dtype, true, std::span(views, 3), names, r);
+  Aliasing aliasing;
+  aliasing.input("q", q);
+  aliasing.input("k", k);
+  aliasing.input("v", v);
+  const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
+  check_output("out", out, {.sizes = out_sizes, .dtype = p.dtype}, aliasing, r);
   if (state == nullptr) return;
-  check_view("state.s", state->s, state_sizes(p), p.state_dtype, true, std::span(views, 4), names,
-             r);
-  check_view("state.z", state->z, sum_sizes(p), p.state_dtype, true, std::span(views, 5), names, r);
+  const std::vector<std::int64_t> s_sizes = state_sizes(p), z_sizes = sum_sizes(p);
+  check_output("state.s", state->s, {.sizes = s_sizes, .dtype = p.state_dtype}, aliasing, r);
+  check_output("state.z", state->z, {.sizes = z_sizes, .dtype = p.state_dtype}, aliasing, r);
 }
 
 // Checks q, k, v and the options, appending reasons; false when the shapes of
@@ -247,7 +196,7 @@ LinearAttentionState linear_attention_state(std::int64_t batch, std::int64_t kv_
 LinearAttentionResult linear_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                        const LinearAttentionOptions& options) {
   LinearProblem p;
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (detail::check_inputs(q, k, v, options, p, r) && options.return_state && !options.causal) {
     r.push_back(
         "options.return_state: only a causal pass has a state to continue from (set causal = "
@@ -268,7 +217,7 @@ void linear_attention_into(ConstTensorView q, ConstTensorView k, ConstTensorView
                            const LinearAttentionOptions& options,
                            LinearAttentionState* final_state) {
   LinearProblem p;
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (detail::check_inputs(q, k, v, options, p, r)) {
     if (final_state != nullptr && !options.causal) {
       r.push_back(
@@ -285,7 +234,7 @@ void linear_attention_step_into(ConstTensorView q, ConstTensorView k, ConstTenso
                                 LinearAttentionState& state, TensorView out,
                                 const LinearAttentionOptions& options) {
   LinearProblem p;
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (detail::check_inputs(q, k, v, options, p, r)) {
     if (!options.causal) {
       r.push_back(
@@ -324,24 +273,27 @@ LinearProblem check_backward(ConstTensorView q, ConstTensorView k, ConstTensorVi
                              ConstTensorView dout, const LinearAttentionGradientOutputs* grads,
                              const LinearAttentionOptions& o) {
   LinearProblem p;
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (!detail::check_inputs(q, k, v, o, p, r)) detail::throw_if(r);
-  const ConstTensorView views[] = {
-      q, k, v, dout, grads ? grads->dq : TensorView(), grads ? grads->dk : TensorView()};
-  const char* const names[] = {"q", "k", "v", "dout", "dq", "dk"};
-  detail::check_view("dout", dout, {p.batch, p.nq, p.hq, p.dv}, p.dtype, false, {}, {}, r);
+  const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
+  detail::check_view("dout", dout, {.sizes = out_sizes, .dtype = p.dtype}, r);
   if (o.feature_map == FeatureMap::custom && !o.custom.vjp) {
     r.push_back(
         "options.custom.vjp: the backward needs the feature map's vector-Jacobian product "
         "(dx = J_phi(x)^T dphi), got none");
   }
   if (grads != nullptr) {
-    detail::check_view("dq", grads->dq, {p.batch, p.nq, p.hq, p.d}, p.dtype, true,
-                       std::span(views, 4), names, r);
-    detail::check_view("dk", grads->dk, {p.batch, p.nk, p.hkv, p.d}, p.dtype, true,
-                       std::span(views, 5), names, r);
-    detail::check_view("dv", grads->dv, {p.batch, p.nk, p.hkv, p.dv}, p.dtype, true,
-                       std::span(views, 6), names, r);
+    detail::Aliasing aliasing;
+    aliasing.input("q", q);
+    aliasing.input("k", k);
+    aliasing.input("v", v);
+    aliasing.input("dout", dout);
+    const std::int64_t dq_sizes[] = {p.batch, p.nq, p.hq, p.d};
+    const std::int64_t dk_sizes[] = {p.batch, p.nk, p.hkv, p.d};
+    const std::int64_t dv_sizes[] = {p.batch, p.nk, p.hkv, p.dv};
+    detail::check_output("dq", grads->dq, {.sizes = dq_sizes, .dtype = p.dtype}, aliasing, r);
+    detail::check_output("dk", grads->dk, {.sizes = dk_sizes, .dtype = p.dtype}, aliasing, r);
+    detail::check_output("dv", grads->dv, {.sizes = dv_sizes, .dtype = p.dtype}, aliasing, r);
   }
   detail::throw_if(r);
   return p;

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <new>
 #include <numeric>
 
+#include "core/checks.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
@@ -25,12 +27,32 @@ struct SparseNode {
 namespace {
 
 using Kind = SparseNode::Kind;
-constexpr std::int64_t kUnbounded = std::numeric_limits<std::int64_t>::max() / 4;
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+// Bands reaching this far count as unbounded: validation keeps positions
+// below 2^60 (kMaxSequence), so |p - j| never comes near.
+constexpr std::int64_t kUnbounded = kMax / 4;
 
-std::int64_t floor_div(std::int64_t x, std::int64_t m) {
-  return x >= 0 ? x / m : -((-x + m - 1) / m);
+// Pattern parameters may be as large as int64 allows, so sums and products
+// with them saturate, and divisions never form x + m - 1 (m > 0 throughout).
+std::int64_t sat_add(std::int64_t a, std::int64_t b) {
+  std::int64_t r = 0;
+  if (!__builtin_add_overflow(a, b, &r)) return r;
+  return b > 0 ? kMax : std::numeric_limits<std::int64_t>::min();
 }
-std::int64_t floor_mod(std::int64_t x, std::int64_t m) { return x - floor_div(x, m) * m; }
+std::int64_t sat_mul(std::int64_t a, std::int64_t b) {  // a, b >= 0
+  std::int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? kMax : r;
+}
+std::int64_t floor_div(std::int64_t x, std::int64_t m) {
+  return x >= 0 ? x / m : -1 - (-(x + 1)) / m;
+}
+std::int64_t floor_mod(std::int64_t x, std::int64_t m) {
+  const std::int64_t r = x % m;
+  return r < 0 ? r + m : r;
+}
+std::int64_t ceil_div(std::int64_t x, std::int64_t m) {  // x >= 0
+  return x / m + (x % m != 0 ? 1 : 0);
+}
 
 // Tokens of a sorted list in [lo, hi].
 std::int64_t count_in(const std::vector<std::int64_t>& t, std::int64_t lo, std::int64_t hi) {
@@ -46,7 +68,8 @@ struct Band {
 };
 Band band_of(const SparseNode& n) {
   const std::int64_t step = n.kind == Kind::dilated ? n.c : 1;
-  return {n.b < 0 ? -kUnbounded : -n.b * step, n.a < 0 ? kUnbounded : n.a * step};
+  return {n.b < 0 ? -kUnbounded : -std::min(sat_mul(n.b, step), kUnbounded),
+          n.a < 0 ? kUnbounded : std::min(sat_mul(n.a, step), kUnbounded)};
 }
 
 bool admits(const SparseNode& n, std::int64_t h, std::int64_t i, std::int64_t p, std::int64_t j) {
@@ -187,8 +210,8 @@ KeyInterval span_of(const SparseNode& n, std::int64_t h, std::int64_t i, std::in
     case Kind::strided: {
       // The near band, and the keys j = p (mod l) from the first to the last.
       const std::int64_t l = n.a;
-      const KeyInterval near = clip(p - l + 1, p + l - 1);
-      const KeyInterval far = clip(j0 + floor_mod(p - j0, l), j1 - floor_mod(j1 - p, l));
+      const KeyInterval near = clip(sat_add(p, 1 - l), sat_add(p, l - 1));
+      const KeyInterval far = clip(sat_add(j0, floor_mod(p - j0, l)), j1 - floor_mod(j1 - p, l));
       if (near.begin >= near.end) return far;
       if (far.begin >= far.end) return near;
       return {std::min(near.begin, far.begin), std::max(near.end, far.end)};
@@ -254,13 +277,16 @@ KeyInterval span_of(const SparseNode& n, std::int64_t h, std::int64_t i, std::in
 // from lo.
 void set_rows(std::uint8_t* keep, std::int64_t rows, std::int64_t lo, std::int64_t hi,
               std::int64_t step = 1) {
-  if (lo < 0) lo += (-lo + step - 1) / step * step;
+  if (lo < 0) lo = floor_mod(lo, step);  // the first of lo, lo + step, ... that is >= 0
   hi = std::min(hi, rows - 1);
   if (step == 1) {
     if (lo <= hi) std::fill(keep + lo, keep + hi + 1, 1);
     return;
   }
-  for (std::int64_t r = lo; r <= hi; r += step) keep[r] = 1;
+  for (std::int64_t r = lo; r <= hi; r += step) {
+    keep[r] = 1;
+    if (hi - r < step) break;
+  }
 }
 
 void fill(const SparseNode& n, const PatternTile& t, std::uint8_t* keep) {
@@ -288,7 +314,7 @@ void fill(const SparseNode& n, const PatternTile& t, std::uint8_t* keep) {
       const std::int64_t l = n.a;
       for (std::int64_t c = 0; c < t.cols; ++c) {
         const std::int64_t base = t.j0 + c - t.p0;
-        set_rows(keep + c * rows, rows, base - l + 1, base + l - 1);
+        set_rows(keep + c * rows, rows, sat_add(base, 1 - l), sat_add(base, l - 1));
         set_rows(keep + c * rows, rows, floor_mod(base, l), rows - 1, l);
       }
       return;
@@ -302,7 +328,7 @@ void fill(const SparseNode& n, const PatternTile& t, std::uint8_t* keep) {
           std::fill_n(keep + c * rows, rows, 1);
         } else {
           const std::int64_t start = floor_div(j, l) * l;
-          set_rows(keep + c * rows, rows, start - t.p0, start + l - 1 - t.p0);
+          set_rows(keep + c * rows, rows, start - t.p0, sat_add(start - t.p0, l - 1));
         }
       }
       return;
@@ -397,8 +423,8 @@ void check_layouts(const SparseNode& n, std::int64_t hq, const std::vector<std::
                       " heads; expected 1 or Hq = " + std::to_string(hq));
   }
   for (std::size_t s = 0; s < nq.size(); ++s) {
-    const std::int64_t need_q = (nq[s] + L.block_size - 1) / L.block_size;
-    const std::int64_t need_k = (nk[s] + L.block_size - 1) / L.block_size;
+    const std::int64_t need_q = ceil_div(nq[s], L.block_size);
+    const std::int64_t need_k = ceil_div(nk[s], L.block_size);
     if (L.q_blocks < need_q || L.k_blocks < need_k) {
       reasons.push_back("options.sparse: block layout of " + std::to_string(L.q_blocks) + "x" +
                         std::to_string(L.k_blocks) + " blocks of " + std::to_string(L.block_size) +
@@ -555,7 +581,11 @@ SparsePattern SparsePattern::block_sparse(BlockLayout layout) {
       layout.heads >= 1 && layout.q_blocks >= 0 && layout.k_blocks >= 0 && layout.block_size >= 1,
       "SparsePattern::block_sparse: need heads >= 1, q_blocks >= 0, k_blocks >= 0 and "
       "block_size >= 1");
-  const std::int64_t cells = layout.heads * layout.q_blocks * layout.k_blocks;
+  std::int64_t cells = 0;
+  require(detail::checked_product({layout.heads, layout.q_blocks, layout.k_blocks}, cells),
+          "SparsePattern::block_sparse: heads * q_blocks * k_blocks = " +
+              std::to_string(layout.heads) + " * " + std::to_string(layout.q_blocks) + " * " +
+              std::to_string(layout.k_blocks) + " overflows int64");
   require(static_cast<std::int64_t>(layout.bits.size()) == cells,
           "SparsePattern::block_sparse: bits has " + std::to_string(layout.bits.size()) +
               " entries; expected heads * q_blocks * k_blocks = " + std::to_string(cells));
@@ -592,9 +622,18 @@ BlockLayout bigbird_layout(const BigBirdConfig& c) {
   BlockLayout L;
   L.heads = c.heads;
   L.block_size = c.block_size;
-  L.q_blocks = (c.nq + c.block_size - 1) / c.block_size;
-  L.k_blocks = (c.nk + c.block_size - 1) / c.block_size;
-  L.bits.assign(static_cast<std::size_t>(L.heads * L.q_blocks * L.k_blocks), 0);
+  L.q_blocks = detail::ceil_div(c.nq, c.block_size);
+  L.k_blocks = detail::ceil_div(c.nk, c.block_size);
+  std::int64_t cells = 0;
+  require(detail::checked_product({L.heads, L.q_blocks, L.k_blocks}, cells),
+          "bigbird_layout: heads * q_blocks * k_blocks = " + std::to_string(L.heads) + " * " +
+              std::to_string(L.q_blocks) + " * " + std::to_string(L.k_blocks) + " overflows int64");
+  try {
+    L.bits.assign(static_cast<std::size_t>(cells), 0);
+  } catch (const std::bad_alloc&) {
+    throw Error("bigbird_layout: a layout of " + std::to_string(cells) +
+                " blocks does not fit in memory");
+  }
   std::vector<std::int64_t> free;
   for (std::int64_t h = 0; h < L.heads; ++h) {
     for (std::int64_t a = 0; a < L.q_blocks; ++a) {
@@ -606,7 +645,9 @@ BlockLayout bigbird_layout(const BigBirdConfig& c) {
       // The diagonal of the (nq, nk) grid, aligned at the bottom right.
       const std::int64_t diag = a + (L.k_blocks - L.q_blocks);
       for (std::int64_t b = 0; b < L.k_blocks; ++b) {
-        if (b < c.global_blocks || (b >= diag - c.window_blocks && b <= diag + c.window_blocks)) {
+        const std::int64_t off_diagonal = b - diag;
+        if (b < c.global_blocks ||
+            (off_diagonal >= -c.window_blocks && off_diagonal <= c.window_blocks)) {
           row[b] = 1;
         }
       }

@@ -79,8 +79,10 @@ BasicTensorView<Const> every_nth(const BasicTensorView<Const>& t, int dim, std::
                                  std::int64_t step) {
   if (!t.defined()) return t;
   Shape sizes = t.sizes(), strides = t.strides();
-  sizes[dim] = start < t.size(dim) ? (t.size(dim) - start + step - 1) / step : 0;
-  strides[dim] = t.stride(dim) * step;
+  const std::int64_t rest = start < t.size(dim) ? t.size(dim) - start : 0;
+  sizes[dim] = rest / step + (rest % step != 0 ? 1 : 0);
+  // With two rows or more, step < size and the product stays inside t's extent.
+  if (sizes[dim] > 1) strides[dim] = t.stride(dim) * step;
   const auto bytes = static_cast<std::int64_t>(dtype_size(t.dtype()));
   auto* base = static_cast<std::conditional_t<Const, const std::byte*, std::byte*>>(t.data());
   return BasicTensorView<Const>(sizes[dim] > 0 ? base + start * t.stride(dim) * bytes : base,

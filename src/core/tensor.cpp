@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
+#include "core/checks.hpp"
 #include "core/elements.hpp"
 
 namespace qkv {
@@ -63,8 +65,13 @@ BasicTensorView<Const>::BasicTensorView(Pointer data, DType dtype,
 
 template <bool Const>
 std::int64_t BasicTensorView<Const>::numel() const {
+  for (int d = 0; d < rank_; ++d) {
+    if (sizes_[d] == 0) return 0;
+  }
   std::int64_t n = 1;
-  for (int d = 0; d < rank_; ++d) n *= sizes_[d];
+  for (int d = 0; d < rank_; ++d) {
+    if (__builtin_mul_overflow(n, sizes_[d], &n)) return std::numeric_limits<std::int64_t>::max();
+  }
   return n;
 }
 
@@ -200,7 +207,10 @@ Tensor::Tensor(DType dtype, std::span<const std::int64_t> sizes) {
   }
   const std::size_t rounded = (static_cast<std::size_t>(bytes) + 63) / 64 * 64;
   void* p = allocate(rounded == 0 ? 64 : rounded);
-  if (p == nullptr) throw std::bad_alloc();
+  if (p == nullptr) {
+    throw Error("Tensor: cannot allocate " + std::to_string(rounded) + " bytes for sizes " +
+                shape_string(sizes) + " of " + std::string(dtype_name(dtype)));
+  }
   zero_fill(p, static_cast<std::int64_t>(rounded == 0 ? 64 : rounded));
   storage_.reset(p);
   view_ = TensorView(p, dtype, sizes);
@@ -237,14 +247,20 @@ void Tensor::check_type(DType requested) const {
 }
 
 void copy(ConstTensorView src, TensorView dst) {
-  if (!src.defined() || !dst.defined()) throw Error("copy: src and dst must be defined views");
-  if (src.rank() != dst.rank() || src.sizes() != dst.sizes()) {
-    throw Error("copy: dst sizes " + shape_string(dst.size_span()) + " must equal src sizes " +
+  detail::Reasons r;
+  const bool src_ok = detail::check_view("copy: src", src, {}, r);
+  const bool dst_ok = detail::check_view("copy: dst", dst, {}, r);
+  if (src_ok && dst_ok && (src.rank() != dst.rank() || src.sizes() != dst.sizes())) {
+    r.push_back("copy: dst sizes " + shape_string(dst.size_span()) + " must equal src sizes " +
                 shape_string(src.size_span()));
   }
-  if (const std::string reason = detail::self_overlap_reason(dst); !reason.empty()) {
-    throw Error("copy: dst " + reason);
-  }
+  detail::throw_if(r);
+  // Element by element, an overlapping destination would overwrite source
+  // elements before they are read.
+  detail::Aliasing aliasing;
+  aliasing.input("src", src);
+  aliasing.output("copy: dst", dst, r);
+  detail::throw_if(r);
   detail::for_each_index(src.sizes(), src.rank(), [&](const Shape& idx) {
     detail::store(
         dst.data(), dst.dtype(), detail::offset(idx, dst.strides(), dst.rank()),

@@ -3,64 +3,16 @@
 // fail, unless they depend on a shape that is already known to be wrong.
 #include "core/validate.hpp"
 
-#include <charconv>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "core/elements.hpp"
 #include "core/sparse.hpp"
 
 namespace qkv::detail {
-namespace {
 
-using Reasons = std::vector<std::string>;
 using std::to_string;
-
-std::string str(DType d) { return std::string(dtype_name(d)); }
-std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
-
-// Shortest text that reads back as `x` ("-1e-09", "inf", "nan"): std::to_string
-// prints six fixed decimals, so a softcap of -1e-9 would read "-0.000000".
-template <class T>
-std::string num(T x) {
-  char text[32];
-  return {text, std::to_chars(text, text + sizeof text, x).ptr};
-}
-
-}  // namespace
-
-bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>& r) {
-  if (!extent_fits(t)) {
-    r.push_back(std::string(name) + ": sizes " + shape_of(t) + " with strides " +
-                shape_string(t.stride_span()) +
-                " overflow int64: the element count or the byte offset of the last element "
-                "exceeds 2^63 - 1");
-    return false;
-  }
-  if (t.data() == nullptr && t.numel() > 0) {
-    r.push_back(std::string(name) + ": data is null but the tensor has " + to_string(t.numel()) +
-                " elements (sizes " + shape_of(t) + ")");
-    return false;
-  }
-  return true;
-}
-
-// A tensor argument: defined (if required), of the expected rank, backed by
-// memory when it has elements, and addressable. Returns whether later checks
-// may look at its sizes.
-bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
-  if (!t.defined()) {
-    r.push_back(std::string(name) + ": required tensor is undefined");
-    return false;
-  }
-  bool ok = true;
-  if (rank >= 0 && t.rank() != rank) {
-    r.push_back(std::string(name) + ": expected rank " + to_string(rank) + ", got rank " +
-                to_string(t.rank()) + " with sizes " + shape_of(t));
-    ok = false;
-  }
-  return check_memory(name, t, r) && ok;
-}
 
 void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv, Reasons& r) {
   if (hkv == 0 && hq > 0) {
@@ -83,6 +35,15 @@ void check_dim(const char* name, ConstTensorView t, int d, const char* what, std
 }
 
 namespace {
+
+// The largest finite f32 number and the smallest normal one, 2^-126.
+constexpr double kMaxF32 = std::numeric_limits<float>::max();
+constexpr double kMinNormal = std::numeric_limits<float>::min();
+
+// A tensor argument of the given rank (-1: any).
+bool check_tensor(const char* name, ConstTensorView t, int rank, Reasons& r) {
+  return check_view(name, t, {.rank = rank}, r);
+}
 
 void check_same_dtype(const char* name, ConstTensorView t, DType expected, Reasons& r) {
   if (t.dtype() != expected) {
@@ -134,6 +95,12 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
   p.stat_dtype = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
 
   const std::string qb = "q's batch " + to_string(p.batch);
+  for (auto [name, n] : {std::pair{"q", p.nq}, {"k", p.nk}}) {
+    if (n > kMaxSequence) {
+      r.push_back(std::string(name) + ": expected a sequence length (dim 1) below 2^60, got " +
+                  to_string(n) + " (positions and their differences are int64)");
+    }
+  }
   check_dim("k", k, 0, "batch size", p.batch, qb, r);
   check_dim("v", v, 0, "batch size", p.batch, qb, r);
   check_dim("v", v, 1, "sequence length", p.nk, "k's " + to_string(p.nk), r);
@@ -146,25 +113,7 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
 }
 
 void check_score(const AttentionOptions& o, AttentionProblem& p, Reasons& r) {
-  // An unknown score is reported by check_scalars.
-  if ((o.score == Score::dot || o.score == Score::additive) && o.scale.has_value()) {
-    r.push_back("options.scale: only used by Score::scaled_dot, but score is " +
-                std::string(o.score == Score::dot ? "Score::dot" : "Score::additive") +
-                " (unset scale, or use Score::scaled_dot)");
-  }
-  if (o.score == Score::scaled_dot) {
-    if (o.scale.has_value()) {
-      if (!std::isfinite(*o.scale)) {
-        r.push_back("options.scale: expected a finite number, got " + num(*o.scale));
-      }
-      p.scale = *o.scale;
-    } else if (p.dk < 1) {
-      r.push_back("options.scale: the default 1/sqrt(Dk) needs Dk >= 1, got Dk = " +
-                  to_string(p.dk) + " (pass an explicit scale)");
-    } else {
-      p.scale = 1.0 / std::sqrt(static_cast<double>(p.dk));
-    }
-  }
+  p.scale = check_scale(o, p.dk, r);
   const AdditiveScore& a = o.additive;
   if (o.score != Score::additive) {
     if (a.w_q.defined() || a.w_k.defined() || a.v.defined() || a.bias.defined()) {
@@ -184,6 +133,10 @@ void check_score(const AttentionOptions& o, AttentionProblem& p, Reasons& r) {
   }
   if (!(wq_ok && wk_ok && v_ok && b_ok)) return;
   p.attention_size = a.w_q.size(0);
+  if (p.attention_size < 1) {
+    r.push_back("options.additive.w_q: expected attention size (dim 0) A >= 1, got 0 (sizes " +
+                shape_of(a.w_q) + ")");
+  }
   const std::string src = "w_q's attention size " + to_string(p.attention_size);
   check_dim("options.additive.w_q", a.w_q, 1, "input size", p.dq, "q's head dim", r);
   check_dim("options.additive.w_k", a.w_k, 0, "attention size", p.attention_size, src, r);
@@ -278,62 +231,8 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
   }
 }
 
-// Options that need no tensor shape. They run even when q, k or v are wrong,
-// so that one error lists these problems too.
-void check_scalars(const AttentionOptions& o, Reasons& r) {
-  // Enum values come from casts in bindings and config parsers; an unknown one
-  // would otherwise silently run as some other mode.
-  if (o.score > Score::additive) {
-    r.push_back(
-        "options.score: expected Score::scaled_dot, Score::dot or Score::additive, got value " +
-        to_string(static_cast<int>(o.score)));
-  }
-  if (o.align > Align::bottom_right) {
-    r.push_back("options.align: expected Align::top_left or Align::bottom_right, got value " +
-                to_string(static_cast<int>(o.align)));
-  }
-  if (o.window_left < -1) {
-    r.push_back("options.window_left: expected -1 (unbounded) or a size >= 0, got " +
-                to_string(o.window_left));
-  }
-  if (o.window_right < -1) {
-    r.push_back("options.window_right: expected -1 (unbounded) or a size >= 0, got " +
-                to_string(o.window_right));
-  }
-  if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap)) {
-    r.push_back("options.softcap: expected 0 (off) or a finite value > 0, got " + num(o.softcap));
-  }
-  if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
-    r.push_back("options.dropout_p: expected a probability in [0, 1), got " + num(o.dropout_p));
-  }
-  if (o.backend > Backend::fast) {
-    r.push_back(
-        "options.backend: expected Backend::automatic, Backend::reference or Backend::fast, got "
-        "value " +
-        to_string(static_cast<int>(o.backend)));
-  }
-}
-
 void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
-  if (!o.alibi_slopes.empty()) {
-    // Per-sequence slopes follow the sequence index (the packed sequence in
-    // varlen mode). Divided rather than multiplied: with Nq = 0, B * Hq is not
-    // bounded by q's element count and may overflow.
-    const auto n = static_cast<std::int64_t>(o.alibi_slopes.size());
-    const bool per_sequence = p.hq > 0 && n % p.hq == 0 && n / p.hq == p.sequences;
-    if (n != p.hq && !per_sequence) {
-      r.push_back("options.alibi_slopes: expected Hq = " + to_string(p.hq) + " or " +
-                  (p.varlen ? "S" : "B") + " * Hq = " + to_string(p.sequences) + " * " +
-                  to_string(p.hq) + " slopes, got " + to_string(n));
-    }
-    for (std::size_t h = 0; h < o.alibi_slopes.size(); ++h) {
-      if (!std::isfinite(o.alibi_slopes[h])) {
-        r.push_back("options.alibi_slopes[" + to_string(h) + "]: expected a finite slope, got " +
-                    num(o.alibi_slopes[h]));
-        break;
-      }
-    }
-  }
+  check_alibi(o, p.hq, p.sequences, p.varlen, r);
   const RelativePositionBias& rb = o.relative_bias;
   if (!rb.table.defined()) return;
   if (!check_tensor("options.relative_bias.table", rb.table, 2, r)) return;
@@ -365,46 +264,94 @@ void check_dropout(const AttentionOptions& o, const AttentionProblem& p, Reasons
   }
 }
 
-// A view of known sizes and dtype: defined, rank, sizes, dtype, backed.
-// Returns whether later checks may look at its memory.
-bool check_input(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
-                 DType dtype, Reasons& r) {
-  if (!check_tensor(name, t, static_cast<int>(sizes.size()), r)) return false;
-  bool ok = true;
-  for (std::size_t d = 0; d < sizes.size(); ++d) ok = ok && t.size(static_cast<int>(d)) == sizes[d];
-  if (!ok) {
-    r.push_back(std::string(name) + ": expected sizes " + shape_string(sizes) + ", got " +
-                shape_of(t));
+}  // namespace
+
+double check_scale(const AttentionOptions& o, std::int64_t dk, Reasons& r) {
+  // An unknown score is reported by check_scalar_options.
+  if ((o.score == Score::dot || o.score == Score::additive) && o.scale.has_value()) {
+    r.push_back("options.scale: only used by Score::scaled_dot, but score is " +
+                std::string(o.score == Score::dot ? "Score::dot" : "Score::additive") +
+                " (unset scale, or use Score::scaled_dot)");
   }
-  if (t.dtype() != dtype) {
-    r.push_back(std::string(name) + ": expected dtype " + str(dtype) + ", got " + str(t.dtype()));
+  if (o.score != Score::scaled_dot) return 1.0;
+  if (o.scale.has_value()) {
+    // The fast kernels fold the scale into Q in f32.
+    if (!(std::fabs(*o.scale) <= kMaxF32)) {
+      r.push_back("options.scale: expected a finite number within the f32 range (|scale| <= " +
+                  num(kMaxF32) + "), got " + num(*o.scale));
+    }
+    return *o.scale;
   }
-  return true;
+  if (dk < 1) {
+    r.push_back("options.scale: the default 1/sqrt(Dk) needs Dk >= 1, got Dk = " + to_string(dk) +
+                " (pass an explicit scale)");
+    return 1.0;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(dk));
 }
 
-// An output view: a valid input (check_input), non-self-overlapping, and
-// disjoint from every input.
-void check_output(const char* name, ConstTensorView t, std::span<const std::int64_t> sizes,
-                  DType dtype, std::span<const ConstTensorView> inputs,
-                  std::span<const char* const> input_names, Reasons& r) {
-  if (!check_input(name, t, sizes, dtype, r)) return;
-  if (const std::string reason = self_overlap_reason(t); !reason.empty()) {
-    r.push_back(std::string(name) + ": " + reason);
+// Options that need no tensor shape. They run even when q, k or v are wrong,
+// so that one error lists these problems too.
+void check_scalar_options(const AttentionOptions& o, Reasons& r) {
+  // Enum values come from casts in bindings and config parsers; an unknown one
+  // would otherwise silently run as some other mode.
+  if (o.score > Score::additive) {
+    r.push_back(
+        "options.score: expected Score::scaled_dot, Score::dot or Score::additive, got value " +
+        to_string(static_cast<int>(o.score)));
   }
-  const ByteRange range = byte_range(t);
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && range.overlaps(byte_range(inputs[i]))) {
-      r.push_back(std::string(name) + ": memory overlaps " + input_names[i] +
-                  " (outputs must not alias any input or other output)");
+  if (o.align > Align::bottom_right) {
+    r.push_back("options.align: expected Align::top_left or Align::bottom_right, got value " +
+                to_string(static_cast<int>(o.align)));
+  }
+  if (o.window_left < -1) {
+    r.push_back("options.window_left: expected -1 (unbounded) or a size >= 0, got " +
+                to_string(o.window_left));
+  }
+  if (o.window_right < -1) {
+    r.push_back("options.window_right: expected -1 (unbounded) or a size >= 0, got " +
+                to_string(o.window_right));
+  }
+  // The kernels compute c tanh(s / c) in f32: c and 1 / c must both be normal
+  // f32 numbers, else one of them is inf or 0 there and the product NaN.
+  if (!(o.softcap == 0.0 || (o.softcap >= kMinNormal && o.softcap <= 1.0 / kMinNormal))) {
+    r.push_back(
+        "options.softcap: expected 0 (off) or a value in [2^-126, 2^126] (about 1.2e-38 to "
+        "8.5e37, so that the cap and its inverse are normal f32 numbers), got " +
+        num(o.softcap));
+  }
+  if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
+    r.push_back("options.dropout_p: expected a probability in [0, 1), got " + num(o.dropout_p));
+  }
+  if (o.backend > Backend::fast) {
+    r.push_back(
+        "options.backend: expected Backend::automatic, Backend::reference or Backend::fast, got "
+        "value " +
+        to_string(static_cast<int>(o.backend)));
+  }
+}
+
+void check_alibi(const AttentionOptions& o, std::int64_t hq, std::int64_t sequences, bool varlen,
+                 Reasons& r) {
+  if (o.alibi_slopes.empty()) return;
+  // Per-sequence slopes follow the sequence index (the packed sequence in
+  // varlen mode). Divided rather than multiplied: with Nq = 0, B * Hq is not
+  // bounded by q's element count and may overflow.
+  const auto n = static_cast<std::int64_t>(o.alibi_slopes.size());
+  const bool per_sequence = hq > 0 && n % hq == 0 && n / hq == sequences;
+  if (n != hq && !per_sequence) {
+    r.push_back("options.alibi_slopes: expected Hq = " + to_string(hq) + " or " +
+                (varlen ? "S" : "B") + " * Hq = " + to_string(sequences) + " * " + to_string(hq) +
+                " slopes, got " + to_string(n));
+  }
+  for (std::size_t h = 0; h < o.alibi_slopes.size(); ++h) {
+    if (!std::isfinite(o.alibi_slopes[h])) {
+      r.push_back("options.alibi_slopes[" + to_string(h) + "]: expected a finite slope, got " +
+                  num(o.alibi_slopes[h]));
+      break;
     }
   }
 }
-
-void throw_if(const Reasons& r) {
-  if (!r.empty()) throw Error(r);
-}
-
-}  // namespace
 
 SequenceExtent AttentionProblem::sequence(std::int64_t s, const AttentionOptions& o) const {
   SequenceExtent e;
@@ -430,7 +377,7 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   Reasons r;
   check_qkv(q, k, v, options, p, r);
   const bool shapes_ok = r.empty();
-  check_scalars(options, r);
+  check_scalar_options(options, r);
   if (!shapes_ok) throw Error(r);  // everything below reads the sizes of q, k and v
   check_score(options, p, r);
   const std::size_t before_sequences = r.size();
@@ -448,51 +395,45 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
   check_mask(options, p, r);
   check_positions(options, p, r);
   check_dropout(options, p, r);
-  if (options.backend == Backend::fast && p.dtype == DType::f64) {
-    r.push_back(
-        "options.backend: Backend::fast computes in f32 and takes f32, f16 or bf16 inputs, got "
-        "f64 (use Backend::reference or Backend::automatic)");
-  }
+  check_fast_dtype(options.backend, p.dtype, r);
   throw_if(r);
   return p;
 }
+
+namespace {
+
+// The views an attention call reads: q, k, v and the options' tensors.
+Aliasing attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                          const AttentionOptions& o) {
+  Aliasing a;
+  a.input("q", q);
+  a.input("k", k);
+  a.input("v", v);
+  a.input("options.mask", o.mask);
+  a.input("options.additive.w_q", o.additive.w_q);
+  a.input("options.additive.w_k", o.additive.w_k);
+  a.input("options.additive.v", o.additive.v);
+  a.input("options.additive.bias", o.additive.bias);
+  a.input("options.relative_bias.table", o.relative_bias.table);
+  return a;
+}
+
+}  // namespace
 
 void check_attention_outputs(const AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                              ConstTensorView v, const AttentionOptions& o,
                              const AttentionOutputs& outputs) {
   Reasons r;
-  const ConstTensorView inputs[] = {q,
-                                    k,
-                                    v,
-                                    o.mask,
-                                    o.additive.w_q,
-                                    o.additive.w_k,
-                                    o.additive.v,
-                                    o.additive.bias,
-                                    o.relative_bias.table,
-                                    outputs.out,
-                                    outputs.lse};
-  const char* const names[] = {"q",
-                               "k",
-                               "v",
-                               "options.mask",
-                               "options.additive.w_q",
-                               "options.additive.w_k",
-                               "options.additive.v",
-                               "options.additive.bias",
-                               "options.relative_bias.table",
-                               "out",
-                               "lse"};
+  Aliasing aliasing = attention_inputs(q, k, v, o);
   const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
   const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
   const std::int64_t probs_sizes[] = {p.batch, p.hq, p.nq, p.nk};
-  // Each output is compared with the inputs and with the outputs before it.
-  check_output("out", outputs.out, out_sizes, p.dtype, std::span(inputs, 9), names, r);
+  check_output("out", outputs.out, {.sizes = out_sizes, .dtype = p.dtype}, aliasing, r);
   if (outputs.lse.defined()) {
-    check_output("lse", outputs.lse, lse_sizes, p.stat_dtype, std::span(inputs, 10), names, r);
+    check_output("lse", outputs.lse, {.sizes = lse_sizes, .dtype = p.stat_dtype}, aliasing, r);
   }
   if (outputs.probs.defined()) {
-    check_output("probs", outputs.probs, probs_sizes, p.stat_dtype, std::span(inputs, 11), names,
+    check_output("probs", outputs.probs, {.sizes = probs_sizes, .dtype = p.stat_dtype}, aliasing,
                  r);
   }
   throw_if(r);
@@ -503,9 +444,9 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
   Reasons r;
   const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
   const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
-  check_input("out", out, out_sizes, p.dtype, r);
-  check_input("dout", dout, out_sizes, p.dtype, r);
-  check_input("lse", lse, lse_sizes, p.stat_dtype, r);
+  check_view("out", out, {.sizes = out_sizes, .dtype = p.dtype}, r);
+  check_view("dout", dout, {.sizes = out_sizes, .dtype = p.dtype}, r);
+  check_view("lse", lse, {.sizes = lse_sizes, .dtype = p.stat_dtype}, r);
   if (o.score_mod) {
     r.push_back(
         "options.score_mod: the backward cannot differentiate a score_mod callable (express the "
@@ -520,13 +461,16 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
   throw_if(r);
 }
 
-void check_gradient_outputs(const AttentionProblem& p, std::span<const ConstTensorView> inputs,
-                            std::span<const char* const> input_names, const AttentionOptions& o,
+void check_gradient_outputs(const AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                            ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                            ConstTensorView lse, const AttentionOptions& o,
                             const GradientOutputs& g) {
   Reasons r;
+  Aliasing aliasing = attention_inputs(q, k, v, o);
+  aliasing.input("out", out);
+  aliasing.input("dout", dout);
+  aliasing.input("lse", lse);
   // Each gradient is compared with the inputs and with the gradients before it.
-  std::vector<ConstTensorView> seen(inputs.begin(), inputs.end());
-  std::vector<const char*> seen_names(input_names.begin(), input_names.end());
   auto output = [&](const char* name, TensorView t, std::vector<std::int64_t> sizes, DType dtype,
                     bool used, const char* what) {
     if (!used) {
@@ -539,9 +483,7 @@ void check_gradient_outputs(const AttentionProblem& p, std::span<const ConstTens
       r.push_back(std::string(name) + ": required because the options use " + what);
       return;
     }
-    check_output(name, t, sizes, dtype, seen, seen_names, r);
-    seen.push_back(t);
-    seen_names.push_back(name);
+    check_output(name, t, {.sizes = sizes, .dtype = dtype}, aliasing, r);
   };
   const bool additive = o.score == Score::additive;
   const RelativePositionBias& rb = o.relative_bias;

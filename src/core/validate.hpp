@@ -8,10 +8,17 @@
 #include <string>
 #include <vector>
 
+#include "core/checks.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 
 namespace qkv::detail {
+
+// The longest sequence (Nq, Nk) a call may have: positions p_i and their
+// differences p_i - j then stay far inside int64, so mask and pattern
+// arithmetic on them cannot overflow. No backed tensor comes near; only
+// empty or broadcast views could ask for more.
+inline constexpr std::int64_t kMaxSequence = (std::int64_t{1} << 60) - 1;
 
 // Rows of one sequence (a batch entry, or a packed sequence in varlen mode).
 struct SequenceExtent {
@@ -44,24 +51,26 @@ struct AttentionProblem {
   SequenceExtent sequence(std::int64_t s, const AttentionOptions& options) const;
 };
 
-// Appends a reason when t's extent overflows int64 or its data is null while
-// it has elements; returns whether it is addressable and backed.
-bool check_memory(const char* name, ConstTensorView t, std::vector<std::string>& reasons);
-
-// A tensor argument: defined, of rank `rank` (-1: any), backed by memory when
-// it has elements, and addressable. Appends the reasons it is not; returns
-// whether later checks may look at its sizes.
-bool check_tensor(const char* name, ConstTensorView t, int rank, std::vector<std::string>& reasons);
-
 // Appends a reason unless dimension d of t (its `what`) equals `expected`,
 // which comes from `source` ("q's batch 2").
 void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
-               const std::string& source, std::vector<std::string>& reasons);
+               const std::string& source, Reasons& reasons);
 
 // Appends a reason unless k's hkv KV heads can be shared by hq query heads
 // (grouped-query attention: hkv >= 1 divides hq).
-void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv,
-                       std::vector<std::string>& reasons);
+void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv, Reasons& reasons);
+
+// Options that need no tensor shape (enum values, windows, softcap, dropout
+// probability, backend); appends a reason for each bad one.
+void check_scalar_options(const AttentionOptions& options, Reasons& reasons);
+
+// options.scale for the options' score and head dim Dk; returns the scale
+// that multiplies <q, k> (1 for Score::dot and Score::additive).
+double check_scale(const AttentionOptions& options, std::int64_t dk, Reasons& reasons);
+
+// options.alibi_slopes: Hq or sequences * Hq finite slopes (none: off).
+void check_alibi(const AttentionOptions& options, std::int64_t hq, std::int64_t sequences,
+                 bool varlen, Reasons& reasons);
 
 // Checks q, k, v and options; throws qkv::Error listing every problem.
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -80,11 +89,11 @@ void check_backward_inputs(const AttentionProblem& problem, ConstTensorView out,
                            const AttentionOptions& options);
 
 // Checks caller-provided gradient views: shapes, dtypes, presence exactly
-// when the options use the parameter, and no overlap with `inputs` (named by
-// `input_names`) or with each other; throws qkv::Error listing every problem.
-void check_gradient_outputs(const AttentionProblem& problem,
-                            std::span<const ConstTensorView> inputs,
-                            std::span<const char* const> input_names,
-                            const AttentionOptions& options, const GradientOutputs& grads);
+// when the options use the parameter, and no overlap with the call's inputs
+// or with each other; throws qkv::Error listing every problem.
+void check_gradient_outputs(const AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
+                            ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                            ConstTensorView lse, const AttentionOptions& options,
+                            const GradientOutputs& grads);
 
 }  // namespace qkv::detail

@@ -12,6 +12,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -129,10 +130,12 @@ struct KeyRange {
   std::int64_t lo, hi;
 };
 inline KeyRange RangeFor(const AttentionOptions& o, std::int64_t pos, std::int64_t nk) {
+  // Windows may be as wide as int64 allows; positions are below 2^60
+  // (detail::kMaxSequence), so comparing with them first never overflows.
   std::int64_t lo = 0, hi = nk;
-  if (o.window_left >= 0) lo = std::max<std::int64_t>(0, pos - o.window_left);
+  if (o.window_left >= 0 && o.window_left < pos) lo = pos - o.window_left;
   if (o.causal) hi = std::min(hi, pos + 1);
-  if (o.window_right >= 0) hi = std::min(hi, pos + o.window_right + 1);
+  if (o.window_right >= 0 && o.window_right < nk - pos) hi = std::min(hi, pos + o.window_right + 1);
   lo = std::min(lo, nk);
   return {lo, std::max(hi, lo)};
 }
@@ -196,6 +199,8 @@ inline void Project(const float* HWY_RESTRICT x, std::int64_t n, std::int64_t in
 }
 
 // S^T[c][r] = sum_a v[a] tanh(qa[r][a] + ka[c][a]) (the additive score).
+// qa and ka are the plan's aligned scratch; v lives in a std::vector, whose
+// storage is only 16-byte aligned, so it is loaded unaligned.
 inline void AdditiveScoresTransposed(const float* HWY_RESTRICT qa, std::int64_t rows,
                                      const float* HWY_RESTRICT ka, std::int64_t keys,
                                      const float* HWY_RESTRICT v, std::int64_t a_pad,
@@ -207,7 +212,7 @@ inline void AdditiveScoresTransposed(const float* HWY_RESTRICT qa, std::int64_t 
       auto acc = hn::Zero(d);
       for (std::int64_t a = 0; a < a_pad; a += lanes) {
         const auto x = hn::Add(hn::Load(d, qa + r * a_pad + a), hn::Load(d, ka + c * a_pad + a));
-        acc = hn::MulAdd(hn::Load(d, v + a), hn::Tanh(d, x), acc);
+        acc = hn::MulAdd(hn::LoadU(d, v + a), hn::Tanh(d, x), acc);
       }
       s[c * rows_pad + r] = hn::GetLane(hn::SumOfLanes(d, acc));
     }
@@ -298,30 +303,29 @@ inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeomet
                            {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
     }
     if (range_partial) {
-      // Key j is open to query i iff lo_i <= j < hi_i (RangeFor), computed a
-      // vector of queries at a time; positions are exact in float below 2^24.
-      const auto nk = hn::Set(d, static_cast<float>(g.seq.nk));
-      const auto left = hn::Set(d, static_cast<float>(o.window_left));
-      const auto right = hn::Set(d, static_cast<float>(o.window_right + 1));
+      // Key j0 + c is open to query i iff lo_i <= j0 + c < hi_i (RangeFor):
+      // each lane's bounds, relative to j0 and clamped to [0, cols], are
+      // small integers, exact in float however long the sequence.
+      HWY_ALIGN float lo_rel[hn::MaxLanes(d)];
+      HWY_ALIGN float hi_rel[hn::MaxLanes(d)];
       for (std::int64_t t = 0; t < g.positions; t += lanes) {
-        const auto pos = hn::Add(iota, hn::Set(d, static_cast<float>(pos0 + t)));
-        auto lo = o.window_left >= 0 ? hn::Max(hn::Zero(d), hn::Sub(pos, left)) : hn::Zero(d);
-        auto hi = nk;
-        if (o.causal) hi = hn::Min(hi, hn::Add(pos, hn::Set(d, 1.0f)));
-        if (o.window_right >= 0) hi = hn::Min(hi, hn::Add(pos, right));
-        lo = hn::Min(lo, nk);
+        for (std::int64_t x = 0; x < lanes; ++x) {
+          const KeyRange kr = RangeFor(o, pos0 + std::min(t + x, g.positions - 1), g.seq.nk);
+          lo_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.lo - j0, 0, cols));
+          hi_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.hi - j0, 0, cols));
+        }
+        const auto lo = hn::Load(d, lo_rel);
+        const auto hi = hn::Load(d, hi_rel);
         // Both ends grow with the position, so every query of the vector
         // keeps the keys from the last one's lo to the first one's hi:
         // those need no mask.
         const std::int64_t last = std::min(t + lanes, g.positions) - 1;
-        const std::int64_t open_begin =
-            std::clamp<std::int64_t>(RangeFor(o, pos0 + last, g.seq.nk).lo - j0, 0, cols);
-        const std::int64_t open_end =
-            std::clamp<std::int64_t>(RangeFor(o, pos0 + t, g.seq.nk).hi - j0, open_begin, cols);
+        const auto open_begin = static_cast<std::int64_t>(lo_rel[last - t]);
+        const std::int64_t open_end = std::max(open_begin, static_cast<std::int64_t>(hi_rel[0]));
         for (std::int64_t c = 0; c < cols; ++c) {
           if (c == open_begin) c = open_end;
           if (c >= cols) break;
-          const auto j = hn::Set(d, static_cast<float>(j0 + c));
+          const auto j = hn::Set(d, static_cast<float>(c));
           const auto keep = hn::And(hn::Ge(j, lo), hn::Lt(j, hi));
           float* x = s + c * rows_pad + r0 + t;
           // Lanes past this head's queries belong to the next head (or to
@@ -578,7 +582,9 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
   }
 }
 
-inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
+// Returns whether every output row and logsumexp of the unit is finite (or
+// -inf: a row without keys).
+inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
                         const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const std::int64_t rows = g.rows();
@@ -622,6 +628,7 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   // O / l into out (rounded once), m + log l into lse.
   const TensorView out = plan.out;
   const TensorView lse = plan.lse;
+  bool finite = true;
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t h = u.hkv * g.group + gi;
     for (std::int64_t t = 0; t < g.positions; ++t) {
@@ -633,16 +640,26 @@ inline void ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
         hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, inv)), d, orow + c);
       }
       StoreViewRow(orow, dv, out, g.seq.batch, qrow, h);
+      const float row_lse = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
       static_cast<float*>(
           lse.data())[g.seq.batch * lse.stride(0) + h * lse.stride(1) + qrow * lse.stride(2)] =
-          l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
+          row_lse;
+      finite =
+          finite && AllFinite(orow, shape.dv_pad) && (row_lse == kNegInf || std::isfinite(row_lse));
+      if (plan.row_max.defined()) {
+        const std::int64_t at = g.seq.batch * plan.row_max.stride(0) + h * plan.row_max.stride(1) +
+                                qrow * plan.row_max.stride(2);
+        static_cast<float*>(plan.row_max.data())[at] = m[r];
+        static_cast<float*>(plan.row_sum.data())[at] = l[r];
+      }
     }
   }
+  return finite;
 }
 
 // P^T = exp(S^T - lse) in place for the first rows_used columns (queries)
 // and `cols` keys: 0 for masked keys (-inf) and for rows without any key
-// (lse = -inf).
+// (lse = -inf). The backward's recomputation from the forward's lse.
 inline void ProbabilitiesFromLse(const float* HWY_RESTRICT lse, std::int64_t rows_used,
                                  std::int64_t cols, float* HWY_RESTRICT s, std::int64_t rows_pad) {
   const hn::ScalableTag<float> d;
@@ -657,13 +674,36 @@ inline void ProbabilitiesFromLse(const float* HWY_RESTRICT lse, std::int64_t row
   }
 }
 
-// Probabilities of one unit: P = exp(S - lse) per admitted key, 0 elsewhere.
-inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
+// P^T = exp(S^T - m) / l in place for the first rows_used columns
+// (queries) and `cols` keys, from each row's maximum m and sum l of the
+// forward (dividing by the row's own sum, not by e^lse with lse rounded to
+// f32, keeps each row normalized to the last ulps): 0 for masked keys (-inf)
+// and for rows without any key (m = -inf).
+inline void ProbabilitiesFromRowStats(const float* HWY_RESTRICT m, const float* HWY_RESTRICT l,
+                                      std::int64_t rows_used, std::int64_t cols,
+                                      float* HWY_RESTRICT s, std::int64_t rows_pad) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t r = 0; r < rows_used; r += lanes) {
+    const auto v_m = hn::Load(d, m + r);
+    const auto v_l = hn::Load(d, l + r);
+    const auto empty = hn::Or(hn::Eq(v_m, hn::Set(d, kNegInf)), hn::Eq(v_l, hn::Zero(d)));
+    const auto inv = hn::IfThenZeroElse(empty, hn::Div(hn::Set(d, 1.0f), v_l));
+    for (std::int64_t c = 0; c < cols; ++c) {
+      float* x = s + c * rows_pad + r;
+      const auto p = hn::Mul(FastExp(d, hn::Sub(hn::Load(d, x), v_m)), inv);
+      hn::Store(hn::IfThenZeroElse(empty, p), d, x);
+    }
+  }
+}
+
+// Probabilities of one unit: P = exp(S - m) / l per admitted key, 0
+// elsewhere. Returns true (the forward checked the rows).
+inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
                               const KvCache& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const std::int64_t rows_pad = shape.rows_pad;
   const TensorView probs = plan.probs;
-  const TensorView lse = plan.lse;
   auto* pdata = static_cast<float*>(probs.data());
   auto prob_row = [&](std::int64_t gi, std::int64_t t) {
     return pdata + g.seq.batch * probs.stride(0) + (u.hkv * g.group + gi) * probs.stride(1) +
@@ -672,22 +712,26 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
 
   PrepareQueries(plan, u, g, shape, sc);
   // Zero every probability of the unit's rows, then fill the open blocks.
-  float* row_lse = sc.m.get();
-  std::fill_n(row_lse, rows_pad, kNegInf);
+  float* row_max = sc.m.get();
+  float* row_sum = sc.l.get();
+  std::fill_n(row_max, rows_pad, kNegInf);
+  std::fill_n(row_sum, rows_pad, 0.0f);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     for (std::int64_t t = 0; t < g.positions; ++t) {
       float* prow = prob_row(gi, t);
       for (std::int64_t j = 0; j < probs.size(3); ++j) prow[j * probs.stride(3)] = 0.0f;
-      row_lse[gi * g.positions + t] = static_cast<const float*>(
-          lse.data())[g.seq.batch * lse.stride(0) + (u.hkv * g.group + gi) * lse.stride(1) +
-                      (g.seq.q_begin + u.i0 + t) * lse.stride(2)];
+      const std::int64_t at = g.seq.batch * plan.row_max.stride(0) +
+                              (u.hkv * g.group + gi) * plan.row_max.stride(1) +
+                              (g.seq.q_begin + u.i0 + t) * plan.row_max.stride(2);
+      row_max[gi * g.positions + t] = static_cast<const float*>(plan.row_max.data())[at];
+      row_sum[gi * g.positions + t] = static_cast<const float*>(plan.row_sum.data())[at];
     }
   }
   const std::int64_t rows_used = RoundUp(g.rows(), PanelWidth());
   ForEachOpenBlock(plan, u, g, shape, cache, sc,
                    [&](std::int64_t j0, std::int64_t cols, const KeySpan* /*row_keys*/) {
                      float* s = sc.s.get();
-                     ProbabilitiesFromLse(row_lse, rows_used, cols, s, rows_pad);
+                     ProbabilitiesFromRowStats(row_max, row_sum, rows_used, cols, s, rows_pad);
                      for (std::int64_t gi = 0; gi < g.group; ++gi) {
                        for (std::int64_t t = 0; t < g.positions; ++t) {
                          float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);
@@ -697,6 +741,7 @@ inline void ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
                        }
                      }
                    });
+  return true;
 }
 
 // The buffers for the keys and values a task needs, when they fit the
@@ -760,11 +805,13 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
   a.per_call = (a.rows + calls - 1) / std::max<std::int64_t>(calls, 1);
 }
 
-// Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch.
+// Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch;
+// returns whether every call returned true.
 template <class UnitFn>
-void ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
+bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
   const TileShape shape = ShapeOf(plan);
   const auto n = static_cast<std::int64_t>(plan.tasks.size());
+  std::atomic<bool> all{true};
 #pragma omp parallel
   {
     Scratch scratch(shape);
@@ -783,13 +830,15 @@ void ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
           PackThrough(plan, unit, shape, end, next_end, cache, scratch);
           end = next_end;
         }
-        unit_fn(plan, unit, shape, cache, scratch);
+        if (!unit_fn(plan, unit, shape, cache, scratch))
+          all.store(false, std::memory_order_relaxed);
       }
     }
   }
+  return all.load();
 }
 
-inline void FlashForwardImpl(const FlashPlan& plan) { ForEachTask(plan, ForwardUnit); }
+inline bool FlashForwardImpl(const FlashPlan& plan) { return ForEachTask(plan, ForwardUnit); }
 inline void FlashProbabilitiesImpl(const FlashPlan& plan) { ForEachTask(plan, ProbabilitiesUnit); }
 
 }  // namespace HWY_NAMESPACE

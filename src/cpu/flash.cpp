@@ -14,7 +14,7 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 
-void Forward(const FlashPlan& plan) { FlashForwardImpl(plan); }
+bool Forward(const FlashPlan& plan) { return FlashForwardImpl(plan); }
 const char* Target() { return hwy::TargetName(HWY_TARGET); }
 void StoreRow(const float* src, std::int64_t n, void* dst, DType dtype) {
   StoreRowFromF32(src, n, dst, dtype);
@@ -62,7 +62,7 @@ void exp_row(const float* src, std::int64_t n, float* dst) {
   HWY_DYNAMIC_DISPATCH(ExpRow)(src, n, dst);
 }
 const char* flash_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
-void flash_forward(const FlashPlan& plan) { HWY_DYNAMIC_DISPATCH(Forward)(plan); }
+bool flash_forward(const FlashPlan& plan) { return HWY_DYNAMIC_DISPATCH(Forward)(plan); }
 void flash_probabilities(const FlashPlan& plan) { HWY_DYNAMIC_DISPATCH(Probabilities)(plan); }
 
 namespace {

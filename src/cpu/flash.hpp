@@ -50,6 +50,9 @@ struct FlashPlan {
   TensorView out;    // may be undefined in the probabilities pass
   TensorView lse;    // f32 [B, Hq, Nq]; always defined (caller's or scratch)
   TensorView probs;  // f32 [B, Hq, Nq, Nk]; undefined unless requested
+  // f32 [B, Hq, Nq] each: every row's score maximum and softmax sum, written
+  // by the forward for the probabilities pass; undefined unless probs is.
+  TensorView row_max, row_sum;
   FlashConfig config;
   std::int64_t positions_per_unit = 0;
   std::vector<Unit> units;  // grouped by (sequence, KV head), positions ascending
@@ -88,8 +91,9 @@ struct BackwardArgs {
 
 // Backward pass (dot-product scores): dq, dk, dv and the relative bias
 // gradient, for a plan made with flash_backward_config(). Runs on OpenMP
-// threads; the result does not depend on the thread count.
-void flash_backward(const FlashPlan& plan, const BackwardArgs& args);
+// threads; the result does not depend on the thread count. Returns whether
+// every gradient it wrote is finite.
+bool flash_backward(const FlashPlan& plan, const BackwardArgs& args);
 
 // One parallel work item of the backward: key blocks [block_begin,
 // block_end) of one (sequence, KV head), visited by its units [unit_begin,
@@ -119,10 +123,12 @@ struct BackwardPlan {
   double* bias_partial = nullptr;
 };
 
-// Forward pass: out and lse. Runs on OpenMP threads; the result does not
-// depend on the thread count.
-void flash_forward(const FlashPlan& plan);
-// Attention probabilities from the lse of a completed forward pass.
+// Forward pass: out and lse (and row_max, row_sum when defined). Runs on
+// OpenMP threads; the result does not depend on the thread count. Returns
+// whether every output and lse is finite (lse -inf for rows without keys).
+bool flash_forward(const FlashPlan& plan);
+// Attention probabilities from the row maxima and sums of a completed
+// forward pass.
 void flash_probabilities(const FlashPlan& plan);
 // Name of the Highway target the kernels dispatch to on this CPU ("AVX2").
 const char* flash_target();

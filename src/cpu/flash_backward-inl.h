@@ -17,6 +17,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -310,8 +311,9 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
 }
 
 // One task: for each of its key blocks, pack K and V, visit every query tile
-// that some mask leaves open, and write the block's dk and dv rows.
-inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
+// that some mask leaves open, and write the block's dk and dv rows. Returns
+// whether they are all finite.
+inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
                             const TileShape& shape, std::int64_t dk_pad, Scratch& sc,
                             BackwardScratch& b, double* bias_partial) {
   const FlashPlan& plan = *bp.plan;
@@ -320,6 +322,7 @@ inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
   const Unit& first = plan.units[static_cast<std::size_t>(task.unit_begin)];
   const UnitGeometry head = GeometryOf(plan, first);
   const GradientOutputs& grads = bp.args.grads;
+  bool finite = true;
   // Every key block of the task meets the same query tiles: pack them once
   // when they fit the per-thread budget, else once per step.
   const std::int64_t tile_floats = QueryTileFloats(shape, dk_pad);
@@ -375,7 +378,10 @@ inline void BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
       StoreViewRow(b.dv.get() + j * shape.dv_pad, p.dv, grads.dv, head.seq.batch,
                    head.seq.k_begin + kj0 + j, first.hkv);
     }
+    finite = finite && AllFinite(b.dk.get(), kcols * dk_pad) &&
+             AllFinite(b.dv.get(), kcols * shape.dv_pad);
   }
+  return finite;
 }
 
 // Work of each key block of the (sequence, KV head) whose units are
@@ -437,33 +443,40 @@ inline void BackwardTasks(BackwardPlan& bp) {
   }
 }
 
-inline void FlashBackwardImpl(const BackwardPlan& bp) {
+// Returns whether every dk and dv row is finite.
+inline bool FlashBackwardImpl(const BackwardPlan& bp) {
   const FlashPlan& plan = *bp.plan;
   const TileShape shape = ShapeOf(plan);
   const std::int64_t dk_pad = RoundUp(std::max<std::int64_t>(plan.problem->dk, 1), ValueWidth());
   const std::int64_t bias_width =
       plan.relative_bias.empty() ? 0 : plan.problem->group() * (2 * plan.relative_radius + 1);
   const auto n = static_cast<std::int64_t>(bp.tasks.size());
+  std::atomic<bool> finite{true};
 #pragma omp parallel
   {
     Scratch sc(shape);
     BackwardScratch b(shape, dk_pad);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
-      BackwardTaskRun(bp, bp.tasks[static_cast<std::size_t>(i)], shape, dk_pad, sc, b,
-                      bias_width > 0 ? bp.bias_partial + i * bias_width : nullptr);
+      if (!BackwardTaskRun(bp, bp.tasks[static_cast<std::size_t>(i)], shape, dk_pad, sc, b,
+                           bias_width > 0 ? bp.bias_partial + i * bias_width : nullptr)) {
+        finite.store(false, std::memory_order_relaxed);
+      }
     }
   }
+  return finite.load();
 }
 
 // dq = scale * (sum of the chunks' dQ buffers, in chunk order), rounded once.
-inline void FlashBackwardReduceDq(const BackwardPlan& bp) {
+// Returns whether every row is finite.
+inline bool FlashBackwardReduceDq(const BackwardPlan& bp) {
   const detail::AttentionProblem& p = *bp.plan->problem;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t rows = p.batch * p.nq * p.hq;
   const std::int64_t chunk_stride = rows * bp.dq_ld;
   const auto scale = hn::Set(d, static_cast<float>(p.scale));
+  std::atomic<bool> finite{true};
 #pragma omp parallel
   {
     auto sum = hwy::AllocateAligned<float>(static_cast<std::size_t>(bp.dq_ld));
@@ -478,8 +491,10 @@ inline void FlashBackwardReduceDq(const BackwardPlan& bp) {
       }
       StoreViewRow(sum.get(), p.dq, bp.args.grads.dq, r / (p.nq * p.hq), (r / p.hq) % p.nq,
                    r % p.hq);
+      if (!AllFinite(sum.get(), bp.dq_ld)) finite.store(false, std::memory_order_relaxed);
     }
   }
+  return finite.load();
 }
 
 }  // namespace HWY_NAMESPACE

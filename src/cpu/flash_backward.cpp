@@ -15,8 +15,8 @@ namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 
 void Tasks(BackwardPlan& bp) { BackwardTasks(bp); }
-void Backward(const BackwardPlan& bp) { FlashBackwardImpl(bp); }
-void ReduceDq(const BackwardPlan& bp) { FlashBackwardReduceDq(bp); }
+bool Backward(const BackwardPlan& bp) { return FlashBackwardImpl(bp); }
+bool ReduceDq(const BackwardPlan& bp) { return FlashBackwardReduceDq(bp); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::cpu
@@ -25,8 +25,10 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
+#include "core/elements.hpp"
 #include "hwy/aligned_allocator.h"
 #include "qkv/positional.hpp"
 
@@ -36,7 +38,7 @@ HWY_EXPORT(Tasks);
 HWY_EXPORT(Backward);
 HWY_EXPORT(ReduceDq);
 
-void flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
+bool flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   const detail::AttentionProblem& p = *plan.problem;
   BackwardPlan bp;
   bp.plan = &plan;
@@ -48,6 +50,15 @@ void flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   bp.chunks = std::clamp<std::int64_t>((4 + heads - 1) / heads, 1, 4);
   bp.dq_ld = (std::max<std::int64_t>(p.dq, 1) + 15) / 16 * 16;  // a multiple of any vector
   HWY_DYNAMIC_DISPATCH(Tasks)(bp);
+  // Tasks come from query rows: the keys of a sequence without any get no
+  // task, but their (overwritten) gradients are zero all the same.
+  for (std::int64_t s = 0; s < p.sequences; ++s) {
+    const detail::SequenceExtent seq = p.sequence(s, *plan.options);
+    if (seq.nq > 0) continue;
+    for (const TensorView& t : {args.grads.dk, args.grads.dv}) {
+      detail::fill(t.slice(0, seq.batch, 1).slice(1, seq.k_begin, seq.nk_rows), 0.0);
+    }
+  }
 
   const auto dq_floats = static_cast<std::size_t>(bp.chunks * p.batch * p.nq * p.hq * bp.dq_ld);
   auto dq_partial = hwy::AllocateAligned<float>(std::max<std::size_t>(dq_floats, 1));
@@ -60,10 +71,10 @@ void flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
     bp.bias_partial = bias_partial.data();
   }
 
-  HWY_DYNAMIC_DISPATCH(Backward)(bp);
-  HWY_DYNAMIC_DISPATCH(ReduceDq)(bp);
+  bool finite = HWY_DYNAMIC_DISPATCH(Backward)(bp);
+  finite = HWY_DYNAMIC_DISPATCH(ReduceDq)(bp) && finite;
 
-  if (plan.relative_bias.empty()) return;
+  if (plan.relative_bias.empty()) return finite;
   // Distances to buckets, summing the tasks in order.
   const TensorView table = args.grads.d_relative_bias;
   const ConstTensorView bias = plan.options->relative_bias.table;
@@ -91,9 +102,12 @@ void flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   }
   for (std::int64_t h = 0; h < p.hq; ++h) {
     for (std::int64_t bucket = 0; bucket < bias.size(1); ++bucket) {
-      table.set({h, bucket}, by_bucket[static_cast<std::size_t>(h * bias.size(1) + bucket)]);
+      const double g = by_bucket[static_cast<std::size_t>(h * bias.size(1) + bucket)];
+      table.set({h, bucket}, g);
+      finite = finite && std::isfinite(g);
     }
   }
+  return finite;
 }
 
 }  // namespace qkv::cpu

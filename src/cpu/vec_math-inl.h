@@ -129,7 +129,8 @@ inline void LoadRowF32(const void* src, DType dtype, std::int64_t n, float* HWY_
   const hn::ScalableTag<float> df;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
   if (dtype == DType::f32) {
-    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+    // (Empty views may have null data, which memcpy must not see.)
+    if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
     return;
   }
   const hn::Rebind<std::uint16_t, decltype(df)> du16;
@@ -195,7 +196,8 @@ HWY_INLINE VU F16Bits(DF df, hn::Vec<DF> v) {
 // Stores n floats to `dst` of `dtype` (f32, bf16 or f16), rounding once.
 inline void StoreRowFromF32(const float* HWY_RESTRICT src, std::int64_t n, void* dst, DType dtype) {
   if (dtype == DType::f32) {
-    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+    // (Empty views may have null data, which memcpy must not see.)
+    if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
     return;
   }
   const hn::ScalableTag<float> df;
@@ -243,6 +245,18 @@ inline void LoadStridedRowF32(const std::uint8_t* src, DType dtype, std::int64_t
   for (std::int64_t c = 0; c < n; ++c) {
     LoadRowF32(src + c * stride * ElementBytes(dtype), dtype, 1, dst + c);
   }
+}
+
+// Whether the n floats at x (n a multiple of the vector width, x aligned)
+// are all finite: x * 0 is NaN exactly where x is NaN or infinite.
+inline bool AllFinite(const float* HWY_RESTRICT x, std::int64_t n) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  auto poison = hn::Zero(d);
+  for (std::int64_t c = 0; c < n; c += lanes) {
+    poison = hn::Add(poison, hn::Mul(hn::Load(d, x + c), hn::Zero(d)));
+  }
+  return hn::AllFalse(d, hn::IsNaN(poison));
 }
 
 // Row (a, b, c) of a rank-4 view, the first n elements of its last dim, from

@@ -147,7 +147,7 @@ const char* advance(const void* p, DType dtype, std::int64_t elements) {
 }
 
 void copy_row(DType dtype, const void* from, std::int64_t n, void* to) {
-  std::memcpy(to, from, static_cast<std::size_t>(n) * dtype_size(dtype));
+  if (n > 0) std::memcpy(to, from, static_cast<std::size_t>(n) * dtype_size(dtype));
 }
 
 }  // namespace

@@ -68,6 +68,25 @@ std::string quoted(const std::string& name) { return "\"" + name + "\""; }
 
 std::string shape_of(const std::vector<std::int64_t>& sizes) { return shape_string(sizes); }
 
+// A JSON value for a message, cut short: at most `items` elements of an
+// array and `depth` levels (a hostile header may nest 100,000 arrays, and
+// json::dump recurses once per level).
+std::string brief(const nlohmann::json& v, int depth = 2, std::size_t items = 6) {
+  if (!v.is_array()) {
+    if (v.is_structured()) return v.is_object() ? "{...}" : "[...]";
+    std::string text = v.dump();
+    return text.size() > 40 ? text.substr(0, 37) + "..." : text;
+  }
+  if (depth == 0) return "[...]";
+  std::string text = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) text += ", ";
+    if (i == items) return text + "...]";
+    text += brief(v[i], depth - 1, items);
+  }
+  return text + "]";
+}
+
 // One tensor entry of a validated header.
 struct Entry {
   std::string name;
@@ -117,14 +136,14 @@ bool parse_entry(const std::string& where, const std::string& name, const nlohma
     r.push_back(at + "\"shape\": expected an array of sizes");
     ok = false;
   } else if (shape->size() > static_cast<std::size_t>(kMaxRank)) {
-    r.push_back(at + "rank " + to_string(shape->size()) + " (shape " + shape->dump() +
+    r.push_back(at + "rank " + to_string(shape->size()) + " (shape " + brief(*shape) +
                 ") exceeds qkv's largest rank " + to_string(kMaxRank));
     ok = false;
   } else {
     for (const nlohmann::json& s : *shape) {
       const auto size = non_negative(s);
       if (!size || *size > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-        r.push_back(at + "\"shape\": expected non-negative integer sizes, got " + shape->dump());
+        r.push_back(at + "\"shape\": expected non-negative integer sizes, got " + brief(*shape));
         ok = false;
         break;
       }
@@ -159,6 +178,15 @@ bool parse_entry(const std::string& where, const std::string& name, const nlohma
     if (__builtin_mul_overflow(bytes, static_cast<std::uint64_t>(s), &bytes)) {
       r.push_back(at + "shape " + shape_of(e.shape) + " of " + std::string(dtype_name(e.dtype)) +
                   " needs more than 2^64 bytes");
+      return false;
+    }
+  }
+  // Tensor's strides multiply the sizes, zeros counted as ones.
+  std::int64_t strides = 1;
+  for (const std::int64_t s : e.shape) {
+    if (__builtin_mul_overflow(strides, std::max<std::int64_t>(s, 1), &strides)) {
+      r.push_back(at + "shape " + shape_of(e.shape) +
+                  ": the product of its sizes (zeros counted as ones) overflows int64");
       return false;
     }
   }

@@ -24,12 +24,8 @@ void attention_in(const AttentionProblem& p, ConstTensorView q, ConstTensorView 
   const TensorView out = outputs.out;
   const TensorView lse = outputs.lse;
   const TensorView probs = outputs.probs;
-  if (probs.defined()) {
-    // Packed sequences leave the cross-sequence blocks of probs at zero.
-    detail::for_each_index(probs.sizes(), 4, [&](const Shape& idx) {
-      store(probs.data(), probs.dtype(), detail::offset(idx, probs.strides(), 4), 0.0);
-    });
-  }
+  // Packed sequences leave the cross-sequence blocks of probs at zero.
+  if (probs.defined()) detail::fill(probs, 0.0);
   const std::vector<Real> additive_v = vector_of<Real>(o.additive.v, p.attention_size);
   const std::vector<Real> additive_bias = vector_of<Real>(o.additive.bias, p.attention_size);
   // Dropout keeps a weight with probability 1 - p and scales it by 1 / (1 - p).

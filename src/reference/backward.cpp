@@ -1,8 +1,10 @@
 // The reference backward: the formulas of qkv/backward.hpp in plain loops,
 // accumulating in double. Scores come from the forward's own score code
-// (reference/scores.hpp); for each admitted pair (i, j), with P_ij =
-// exp(s_ij - lse_i) recomputed from the forward's lse, rZ_ij = Z_ij / (1 - p)
-// the scaled dropout mask (1 without dropout) and D_i = <dout_i, out_i>:
+// (reference/scores.hpp); for each pair (i, j) the masks admit and whose
+// score is not -inf, with P_ij = exp(s_ij - lse_i) and lse_i the row's
+// logsumexp recomputed in double (the caller's lse is f32, half an ulp of
+// |lse| off in the exponent), rZ_ij = Z_ij / (1 - p) the scaled dropout mask
+// (1 without dropout) and D_i = <dout_i, out_i>:
 //
 //   dv_j  += rZ_ij P_ij dout_i
 //   dS_ij  = P_ij (rZ_ij <dout_i, v_j> - D_i)          gradient of the score s_ij
@@ -21,8 +23,9 @@
 // ALiBi and the float mask are constants here; their gradient is not asked.
 //
 // The same loops in float, rounding P, dP and dS to f16/bf16 for those
-// inputs, are the naive computation whose error sets the fast backward's
-// tolerance (naive_attention_backward).
+// inputs and taking the caller's lse as a kernel would, are the naive
+// computation whose error sets the fast backward's tolerance
+// (naive_attention_backward).
 #include "reference/backward.hpp"
 
 #include <cmath>
@@ -88,12 +91,30 @@ void add_outer_product(const Real* x, const Real* y, std::int64_t a_size, std::i
   }
 }
 
+// log sum_j exp(scores[j]) over the finite and +inf scores; -inf when every
+// score is -inf (no key admitted), NaN when one is NaN or +inf.
+template <class Real>
+Real logsumexp(const std::vector<Real>& scores) {
+  Real max = -std::numeric_limits<Real>::infinity();
+  for (const Real x : scores) max = std::isnan(x) || x > max ? x : max;
+  if (std::isinf(max) || std::isnan(max)) {
+    return max == -std::numeric_limits<Real>::infinity() ? max
+                                                         : std::numeric_limits<Real>::quiet_NaN();
+  }
+  Real sum = 0;
+  for (const Real x : scores) sum += std::exp(x - max);
+  return max + std::log(sum);
+}
+
 // The backward loops in arithmetic `Real`; P, dP and dS are rounded to
-// `rounding` (identity for f32 and f64).
+// `rounding` (identity for f32 and f64). With `own_lse` the weights come from
+// the row's logsumexp recomputed in `Real`, else from the caller's lse (as a
+// kernel computing in that precision would use its forward's).
 template <class Real>
 void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                  ConstTensorView v, ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-                 const GradientOutputs& grads, const AttentionOptions& o, DType rounding) {
+                 const GradientOutputs& grads, const AttentionOptions& o, DType rounding,
+                 bool own_lse) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   const bool additive = o.score == Score::additive;
   const std::int64_t a_size = p.attention_size;  // 0 unless additive
@@ -112,6 +133,8 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   std::vector<Real> d_additive_bias(static_cast<std::size_t>(a_size));  // [A]
 
   std::vector<unsigned char> keep;  // Z of one row
+  std::vector<Real> raw_scores;     // R_ij of one row
+  std::vector<Real> scores;         // s_ij of one row; -inf where key j is dropped
   for (std::int64_t s = 0; s < p.sequences; ++s) {
     const detail::SequenceExtent seq = p.sequence(s, o);
     const std::int64_t nk = seq.nk_rows;
@@ -133,9 +156,18 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
           const auto query = additive ? project(q_row, 1, o.additive.w_q) : q_row;
           const auto out_row = gather_rows<Real>(out, seq.batch, row, 1, h);    // [Dv]
           const auto dout_row = gather_rows<Real>(dout, seq.batch, row, 1, h);  // [Dv]
-          const auto row_lse = static_cast<Real>(
-              load(lse.data(), lse.dtype(),
-                   seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)));
+          raw_scores.assign(static_cast<std::size_t>(nk), 0);
+          scores.assign(static_cast<std::size_t>(nk), kNegInf);
+          for (std::int64_t j = 0; j < nk; ++j) {
+            if (!key_admitted(head, i, j)) continue;
+            raw_scores[j] = raw_score(head, query, j);
+            scores[j] = round_to(add_biases(head, i, j, soft_capped(o, raw_scores[j])), rounding);
+          }
+          const Real row_lse =
+              own_lse ? logsumexp(scores)
+                      : static_cast<Real>(load(
+                            lse.data(), lse.dtype(),
+                            seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)));
           std::vector<Real> dq(static_cast<std::size_t>(p.dq));
           std::vector<Real> d_query(static_cast<std::size_t>(a_size));  // of q_i W_q^T
           // A row without admitted keys (lse = -inf) had out = 0 and no
@@ -145,18 +177,26 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
             for (std::int64_t c = 0; c < p.dv; ++c) d_i += dout_row[c] * out_row[c];
             if (dropout) dropout_row(p, o, s, h, i, nk, keep);
             for (std::int64_t j = 0; j < nk; ++j) {
-              if (!key_admitted(head, i, j)) continue;
-              const Real raw = raw_score(head, query, j);  // R_ij
-              const Real score = round_to(add_biases(head, i, j, soft_capped(o, raw)), rounding);
+              // Dropped keys (masks, or a score of -inf) contribute nothing,
+              // not even 0 * inf from a value or key they never meet.
+              if (scores[j] == kNegInf) continue;
+              const Real raw = raw_scores[j];  // R_ij
+              const Real score = scores[j];
               const Real prob = round_to(std::exp(score - row_lse), rounding);
+              // A factor of exactly 0 (a weight that underflowed, a dropout
+              // zero) cancels its terms, even a NaN or inf in the other factor.
+              if (prob == 0) continue;
               const Real rz = dropout ? (keep[j] != 0 ? keep_scale : Real(0)) : Real(1);
-              Real dp = 0;  // dP_ij = rZ_ij <dout_i, v_j>
-              for (std::int64_t c = 0; c < p.dv; ++c) {
-                dp += dout_row[c] * values[j * p.dv + c];
-                dv[j * p.dv + c] += rz * prob * dout_row[c];
+              Real dp = 0;  // <dout_i, v_j>, which rZ_ij multiplies
+              if (rz != 0) {
+                for (std::int64_t c = 0; c < p.dv; ++c) {
+                  dp += dout_row[c] * values[j * p.dv + c];
+                  dv[j * p.dv + c] += rz * prob * dout_row[c];
+                }
+                dp = round_to(dp, rounding);
               }
-              dp = round_to(dp, rounding);
               const Real ds = round_to(prob * (rz * dp - d_i), rounding);
+              if (ds == 0) continue;
               if (table.defined()) d_table[h * buckets + relative_bucket(head, i, j)] += ds;
               Real dr = ds;
               if (o.softcap > 0.0) {
@@ -211,7 +251,7 @@ void attention_backward(const detail::AttentionProblem& p, ConstTensorView q, Co
                         ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                         ConstTensorView lse, const GradientOutputs& grads,
                         const AttentionOptions& o) {
-  backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64);
+  backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64, true);
 }
 
 void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView q,
@@ -219,7 +259,7 @@ void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView
                               ConstTensorView dout, ConstTensorView lse,
                               const GradientOutputs& grads, const AttentionOptions& o,
                               DType precision) {
-  backward_in<float>(p, q, k, v, out, dout, lse, grads, o, precision);
+  backward_in<float>(p, q, k, v, out, dout, lse, grads, o, precision, false);
 }
 
 }  // namespace qkv::reference

@@ -1,6 +1,6 @@
 // The reference backward: plain loops in double over the formulas of
-// qkv/backward.hpp, recomputing each row's scores and softmax from the
-// forward's lse. Every fast backward is tested against it, and it is tested
+// qkv/backward.hpp, recomputing each row's scores, softmax and logsumexp
+// (the caller's lse is not read). Every fast backward is tested against it, and it is tested
 // against central finite differences of the reference forward.
 #pragma once
 
@@ -15,8 +15,9 @@ void attention_backward(const detail::AttentionProblem& problem, ConstTensorView
                         ConstTensorView dout, ConstTensorView lse, const GradientOutputs& grads,
                         const AttentionOptions& options);
 
-// The same loops computed naively in f32 and, for precision f16 or bf16,
-// with every score, weight P, dP and dS rounded to it. Its error against
+// The same loops computed naively in f32 from the caller's lse and, for
+// precision f16 or bf16, with every score, weight P, dP and dS rounded to
+// it. Its error against
 // attention_backward() is the yardstick of the fast backward's tolerance.
 void naive_attention_backward(const detail::AttentionProblem& problem, ConstTensorView q,
                               ConstTensorView k, ConstTensorView v, ConstTensorView out,

@@ -122,10 +122,13 @@ template <class Real>
 bool key_admitted(const HeadContext<Real>& c, std::int64_t i, std::int64_t j) {
   const AttentionOptions& o = c.o;
   const std::int64_t pos = query_position(c, i);
+  // How far key j lies before the query; positions are below 2^60
+  // (detail::kMaxSequence), so this cannot overflow, unlike pos - left.
+  const std::int64_t before = pos - j;
   if (j >= c.seq.nk) return false;
-  if (o.causal && j > pos) return false;
-  if (o.window_left >= 0 && j < pos - o.window_left) return false;
-  if (o.window_right >= 0 && j > pos + o.window_right) return false;
+  if (o.causal && before < 0) return false;
+  if (o.window_left >= 0 && before > o.window_left) return false;
+  if (o.window_right >= 0 && -before > o.window_right) return false;
   if (o.mask.defined() && o.mask.dtype() == DType::boolean &&
       mask_at(o.mask, c.seq.batch, c.h, c.seq.q_begin + i, c.seq.k_begin + j) == 0.0) {
     return false;

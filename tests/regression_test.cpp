@@ -1,0 +1,438 @@
+// Reproductions of defects that fuzzing and an independent float64 check
+// found (docs/reliability.md lists them), one test each: crashes, silent
+// wrong results, the wrong kind of error and undefined behaviour. Each test
+// is the smallest input that showed the defect; all of them failed before
+// the fix that names them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_checks.hpp"
+#include "qkv/modules/safetensors.hpp"
+#include "qkv/qkv.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::Backend;
+using qkv::ConstTensorView;
+using qkv::DType;
+using qkv::Tensor;
+using qkv::TensorView;
+using qkv::test::max_abs_diff;
+using qkv::test::random_tensor;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+
+// The qkv::Error message of f(), or "" when it does not throw one (any other
+// exception fails the test).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const qkv::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw " << typeid(e).name() << " instead of qkv::Error: " << e.what();
+    return "(not a qkv::Error)";
+  }
+  return "";
+}
+
+struct Qkv {
+  Tensor q, k, v;
+};
+Qkv inputs(std::int64_t nq, std::int64_t nk, std::int64_t h = 1, std::int64_t d = 4,
+           std::uint32_t seed = 1) {
+  return {random_tensor(DType::f32, {1, nq, h, d}, seed),
+          random_tensor(DType::f32, {1, nk, h, d}, seed + 1),
+          random_tensor(DType::f32, {1, nk, h, d}, seed + 2)};
+}
+
+// Runs both backends; returns {fast, reference} (with lse).
+std::pair<qkv::AttentionResult, qkv::AttentionResult> both(const Qkv& x, AttentionOptions o) {
+  o.return_lse = true;
+  o.backend = Backend::fast;
+  qkv::AttentionResult fast = qkv::attention(x.q, x.k, x.v, o);
+  o.backend = Backend::reference;
+  qkv::AttentionResult ref = qkv::attention(x.q, x.k, x.v, o);
+  return {std::move(fast), std::move(ref)};
+}
+
+// ---- crashes ------------------------------------------------------------
+
+// Defect 1: heads * q_blocks * k_blocks wrapped to 0, so an empty `bits` was
+// accepted and attention read past it.
+TEST(Regression, BlockSparseLayoutSizeOverflowIsAnError) {
+  const std::string message = error_of([] {
+    qkv::SparsePattern::block_sparse({1, std::int64_t{1} << 32, std::int64_t{1} << 32, 1, {}});
+  });
+  EXPECT_NE(message.find("overflows"), std::string::npos) << message;
+}
+
+// Defect 2: a dilation near INT64_MAX overflowed in the pattern arithmetic
+// and in the per-residue strided views, then attention crashed.
+TEST(Regression, HugeDilationRunsLikeTheReference) {
+  const Qkv x = inputs(9, 9);
+  AttentionOptions o;
+  o.sparse = qkv::SparsePattern::dilated_window(0, 0, kMax - 1);
+  const auto [fast, ref] = both(x, o);
+  EXPECT_LE(max_abs_diff(fast.out, ref.out), 1e-6);
+  o.sparse = qkv::SparsePattern::dilated_window(kMax / 2, kMax / 2, kMax - 1) |
+             qkv::SparsePattern::strided(kMax) | qkv::SparsePattern::fixed(kMax, kMax);
+  o.causal = true;
+  const auto [fast2, ref2] = both(x, o);
+  EXPECT_LE(max_abs_diff(fast2.out, ref2.out), 1e-6);
+}
+
+// Defect 3: an additive score of attention size A = 0 was accepted and the
+// fast kernel read through a null pointer.
+TEST(Regression, AdditiveScoreWithNoAttentionUnitsIsAnError) {
+  const Qkv x = inputs(3, 3);
+  const Tensor w_q(DType::f32, {0, 4}), w_k(DType::f32, {0, 4}), v(DType::f32, {0});
+  AttentionOptions o;
+  o.score = qkv::Score::additive;
+  o.additive = {w_q, w_k, v, {}};
+  for (Backend b : {Backend::fast, Backend::reference, Backend::automatic}) {
+    o.backend = b;
+    const std::string message = error_of([&] { qkv::attention(x.q, x.k, x.v, o); });
+    EXPECT_NE(message.find("options.additive.w_q: expected attention size"), std::string::npos)
+        << message;
+  }
+}
+
+qkv::KvCache small_cache() {
+  qkv::KvCache cache({1, 1, 4, 0, 8, DType::f32, 0, 0});
+  const Tensor k = random_tensor(DType::f32, {1, 3, 1, 4}, 4);
+  cache.append(k, k);
+  return cache;
+}
+
+// Defect 4: decode never checked q's and out's memory.
+TEST(Regression, DecodeChecksTheMemoryOfQAndOut) {
+  const qkv::KvCache cache = small_cache();
+  Tensor q = random_tensor(DType::f32, {1, 1, 1, 4}, 5);
+  Tensor out(DType::f32, {1, 1, 1, 4});
+  for (Backend b : {Backend::fast, Backend::reference}) {
+    AttentionOptions o;
+    o.backend = b;
+    const TensorView null_out(nullptr, DType::f32, {1, 1, 1, 4});
+    const ConstTensorView null_q(nullptr, DType::f32, {1, 1, 1, 4});
+    EXPECT_NE(error_of([&] {
+                qkv::decode_attention_into(q, cache, null_out, {}, o);
+              }).find("out: data is null"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                qkv::decode_attention_into(null_q, cache, out, {}, o);
+              }).find("q: data is null"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { qkv::decode_attention(null_q, cache, o); }).find("q: data is null"),
+              std::string::npos);
+    // An extent past int64.
+    const ConstTensorView huge_q(q.view().data(), DType::f32, {1, 1, 1, 4}, {1, 1, 1, kMax / 2});
+    EXPECT_NE(error_of([&] {
+                qkv::decode_attention_into(huge_q, cache, out, {}, o);
+              }).find("overflow int64"),
+              std::string::npos);
+    // out aliasing q, and an out whose elements overlap (stride 0).
+    EXPECT_NE(error_of([&] {
+                qkv::decode_attention_into(q, cache, q, {}, o);
+              }).find("out: memory overlaps q"),
+              std::string::npos);
+    const TensorView stride0(out.view().data(), DType::f32, {1, 1, 1, 4}, {4, 4, 4, 0});
+    EXPECT_NE(error_of([&] {
+                qkv::decode_attention_into(q, cache, stride0, {}, o);
+              }).find("out: has overlapping elements"),
+              std::string::npos);
+  }
+}
+
+std::string temp_file(const std::string& name, const std::string& bytes) {
+  const std::string path = ::testing::TempDir() + "qkv_regression_" + name;
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+std::string safetensors_bytes(const std::string& header) {
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(header.size() >> (8 * i));
+  return length + header;
+}
+
+// Defect 5: formatting the error for a deeply nested "shape" recursed once
+// per level and overflowed the stack.
+TEST(Regression, DeeplyNestedSafetensorsShapeIsAnError) {
+  constexpr int kDepth = 100000;
+  const std::string header = "{\"t\":{\"dtype\":\"F32\",\"shape\":" + std::string(kDepth, '[') +
+                             std::string(kDepth, ']') + ",\"data_offsets\":[0,0]}}";
+  const std::string path = temp_file("nested.safetensors", safetensors_bytes(header));
+  const std::string message = error_of([&] { qkv::nn::load_safetensors(path); });
+  EXPECT_NE(message.find("tensor \"t\": \"shape\": expected non-negative integer sizes"),
+            std::string::npos)
+      << message.substr(0, 300);
+  EXPECT_LT(message.size(), 1000u);
+  std::remove(path.c_str());
+}
+
+// ---- silent wrong results -----------------------------------------------
+
+// Defect 6: pos - window_left overflowed in the fast path's tile
+// classification (and in the reference), giving rows of 0.
+TEST(Regression, HugeWindowMatchesTheReference) {
+  const Qkv x = inputs(7, 3);
+  for (std::int64_t left : {kMax, kMax - 1, kMax / 2}) {
+    for (std::int64_t right : {std::int64_t{-1}, std::int64_t{0}, kMax}) {
+      AttentionOptions o;
+      o.window_left = left;
+      o.window_right = right;
+      const auto [fast, ref] = both(x, o);
+      EXPECT_LE(max_abs_diff(fast.out, ref.out), 1e-6) << left << ", " << right;
+      int mismatches = 0;
+      EXPECT_LE(qkv::test::finite_diff(fast.lse, ref.lse, &mismatches), 1e-5);
+      EXPECT_EQ(mismatches, 0) << left << ", " << right;
+    }
+  }
+}
+
+// Defect 7: a softcap beyond the f32 range (or whose inverse is) was
+// accepted; the fast kernels then computed inf * 0.
+TEST(Regression, SoftcapOutsideTheF32RangeIsAnError) {
+  const Qkv x = inputs(2, 2);
+  const qkv::KvCache cache = small_cache();
+  const Tensor q = random_tensor(DType::f32, {1, 1, 1, 4}, 5);
+  for (double cap : {1e39, 1e-46, 1e-40, 3.5e38}) {
+    AttentionOptions o;
+    o.softcap = cap;
+    EXPECT_NE(error_of([&] { qkv::attention(x.q, x.k, x.v, o); }).find("options.softcap"),
+              std::string::npos)
+        << cap;
+    EXPECT_NE(error_of([&] { qkv::decode_attention(q, cache, o); }).find("options.softcap"),
+              std::string::npos)
+        << cap;
+  }
+  for (double cap : {1e37, 1e-37}) {  // in range: both backends agree
+    AttentionOptions o;
+    o.softcap = cap;
+    const auto [fast, ref] = both(x, o);
+    EXPECT_LE(max_abs_diff(fast.out, ref.out), 1e-6) << cap;
+  }
+}
+
+// Defect 8: an infinity in a value row that a row never admits reached the
+// row through 0 * inf on the fast path.
+TEST(Regression, NonFiniteValuesOfDroppedKeysDoNotReachTheRow) {
+  Qkv x = inputs(5, 5);
+  x.v.set({0, 4, 0, 1}, kInf);
+  x.v.set({0, 3, 0, 2}, kNaN);
+  AttentionOptions causal;
+  causal.causal = true;
+  const auto [fast, ref] = both(x, causal);
+  for (std::int64_t i = 0; i < 3; ++i) {
+    for (std::int64_t c = 0; c < 4; ++c) {
+      EXPECT_TRUE(std::isfinite(fast.out.get({0, i, 0, c}))) << i << ", " << c;
+      EXPECT_NEAR(fast.out.get({0, i, 0, c}), ref.out.get({0, i, 0, c}), 1e-6);
+    }
+  }
+  // A bool mask that drops every key of row 1.
+  Tensor mask(DType::boolean, {5, 5});
+  for (std::int64_t i = 0; i < 5; ++i) {
+    for (std::int64_t j = 0; j < 5; ++j) mask.set({i, j}, i != 1 && j <= 2);
+  }
+  AttentionOptions masked;
+  masked.mask = mask;
+  const auto [fast2, ref2] = both(x, masked);
+  EXPECT_FALSE(qkv::test::has_non_finite(fast2.out));
+  EXPECT_LE(max_abs_diff(fast2.out, ref2.out), 1e-6);
+  EXPECT_EQ(fast2.lse.get({0, 0, 1}), -kInf);
+
+  // The backward: rows and keys that never meet contribute nothing.
+  for (Backend b : {Backend::fast, Backend::reference}) {
+    masked.backend = b;
+    masked.return_lse = true;
+    const qkv::AttentionResult f = qkv::attention(x.q, x.k, x.v, masked);
+    Tensor dout = random_tensor(DType::f32, {1, 5, 1, 4}, 9);
+    const qkv::AttentionGradients g =
+        qkv::attention_backward(x.q, x.k, x.v, f.out, dout, f.lse, masked);
+    EXPECT_FALSE(qkv::test::has_non_finite(g.dq)) << static_cast<int>(b);
+    EXPECT_FALSE(qkv::test::has_non_finite(g.dk)) << static_cast<int>(b);
+    for (std::int64_t j = 0; j < 3; ++j) {
+      for (std::int64_t c = 0; c < 4; ++c) EXPECT_TRUE(std::isfinite(g.dv.get({0, j, 0, c})));
+    }
+  }
+}
+
+// Defect 9: with Nq = 0 the fast backward left dk and dv as the caller had
+// them; outputs are overwritten.
+TEST(Regression, BackwardWithoutQueriesWritesZeroGradients) {
+  const Qkv x = inputs(0, 3);
+  const Tensor out(DType::f32, {1, 0, 1, 4}), dout(DType::f32, {1, 0, 1, 4});
+  const Tensor lse(DType::f32, {1, 1, 0});
+  for (Backend b : {Backend::fast, Backend::reference}) {
+    AttentionOptions o;
+    o.backend = b;
+    Tensor dq(DType::f32, {1, 0, 1, 4});
+    Tensor dk = random_tensor(DType::f32, {1, 3, 1, 4}, 3, 1.0, 2.0);
+    Tensor dv = random_tensor(DType::f32, {1, 3, 1, 4}, 4, 1.0, 2.0);
+    qkv::attention_backward_into(x.q, x.k, x.v, out, dout, lse, {dq, dk, dv}, o);
+    EXPECT_EQ(qkv::test::max_abs(dk), 0.0) << static_cast<int>(b);
+    EXPECT_EQ(qkv::test::max_abs(dv), 0.0) << static_cast<int>(b);
+  }
+}
+
+// Defect 10: fast decode accepted options that every other path rejects.
+TEST(Regression, DecodeRejectsWhatAttentionRejects) {
+  const qkv::KvCache cache = small_cache();
+  const Tensor q = random_tensor(DType::f32, {1, 1, 1, 4}, 5);
+  const std::vector<std::pair<std::string, AttentionOptions>> cases = [] {
+    std::vector<std::pair<std::string, AttentionOptions>> c;
+    AttentionOptions o;
+    o.scale = kNaN;
+    c.emplace_back("options.scale", o);
+    o = {};
+    o.softcap = kInf;
+    c.emplace_back("options.softcap", o);
+    o = {};
+    static const float nan_slope[] = {std::numeric_limits<float>::quiet_NaN()};
+    o.alibi_slopes = nan_slope;
+    c.emplace_back("options.alibi_slopes[0]", o);
+    o = {};
+    o.score = static_cast<qkv::Score>(7);
+    c.emplace_back("options.score", o);
+    o = {};
+    o.align = static_cast<qkv::Align>(9);
+    c.emplace_back("options.align", o);
+    o = {};
+    o.score = qkv::Score::dot;
+    o.scale = 0.5;
+    c.emplace_back("options.scale", o);
+    return c;
+  }();
+  for (const auto& [name, options] : cases) {
+    for (Backend b : {Backend::fast, Backend::reference, Backend::automatic}) {
+      AttentionOptions o = options;
+      o.backend = b;
+      EXPECT_NE(error_of([&] { qkv::decode_attention(q, cache, o); }).find(name), std::string::npos)
+          << name;
+    }
+  }
+  AttentionOptions bad_backend;
+  bad_backend.backend = static_cast<Backend>(5);
+  EXPECT_NE(error_of([&] { qkv::decode_attention(q, cache, bad_backend); }).find("options.backend"),
+            std::string::npos);
+}
+
+// Defect 11: fast probabilities were exp(s - lse) with lse rounded to f32,
+// so a row summed to 1 + 2^-11 in this example.
+TEST(Regression, FastProbabilitiesAreNormalized) {
+  const float q[] = {1.0f};
+  const float k[] = {16000.0f, 15992.375f};
+  const float v[] = {1.0f, 0.0f};
+  AttentionOptions o;
+  o.score = qkv::Score::dot;
+  o.return_probs = true;
+  o.backend = Backend::fast;
+  const qkv::AttentionResult r =
+      qkv::attention(ConstTensorView(q, {1, 1, 1, 1}), ConstTensorView(k, {1, 2, 1, 1}),
+                     ConstTensorView(v, {1, 2, 1, 1}), o);
+  const double p1 = 1.0 / (1.0 + std::exp(-7.625));
+  EXPECT_NEAR(r.probs.get({0, 0, 0, 0}), p1, 4e-7);
+  EXPECT_NEAR(r.probs.get({0, 0, 0, 1}), 1.0 - p1, 4e-7 * (1.0 - p1) + 1e-12);
+}
+
+// Defect 12: the reference backward rebuilt the weights as exp(s - lse) from
+// the caller's f32 lse, half an ulp of |lse| off in the exponent.
+TEST(Regression, ReferenceBackwardRecomputesItsLogsumexp) {
+  const float q[] = {1.0f};
+  const float k[] = {16000.0005f};
+  const float v[] = {1.0f};
+  const float dout[] = {1.0f};
+  AttentionOptions o;
+  o.score = qkv::Score::dot;
+  o.return_lse = true;
+  const ConstTensorView qv(q, {1, 1, 1, 1}), kv(k, {1, 1, 1, 1}), vv(v, {1, 1, 1, 1});
+  for (Backend b : {Backend::reference, Backend::fast}) {
+    o.backend = b;
+    const qkv::AttentionResult f = qkv::attention(qv, kv, vv, o);
+    const qkv::AttentionGradients g =
+        qkv::attention_backward(qv, kv, vv, f.out, ConstTensorView(dout, {1, 1, 1, 1}), f.lse, o);
+    EXPECT_EQ(g.dv.get({0, 0, 0, 0}), 1.0) << static_cast<int>(b);
+  }
+  // The additive score, whose backward every backend runs on the reference.
+  const float w_q[] = {1.0f}, w_k[] = {0.0f}, v_a[] = {5000.0f}, q_a[] = {0.3f}, k_a[] = {0.0f};
+  AttentionOptions a;
+  a.score = qkv::Score::additive;
+  a.additive = {
+      ConstTensorView(w_q, {1, 1}), ConstTensorView(w_k, {1, 1}), ConstTensorView(v_a, {1}), {}};
+  a.return_lse = true;
+  const ConstTensorView qa(q_a, {1, 1, 1, 1}), ka(k_a, {1, 1, 1, 1});
+  for (Backend b : {Backend::automatic, Backend::reference}) {
+    a.backend = b;
+    const qkv::AttentionResult f = qkv::attention(qa, ka, vv, a);
+    const qkv::AttentionGradients g =
+        qkv::attention_backward(qa, ka, vv, f.out, ConstTensorView(dout, {1, 1, 1, 1}), f.lse, a);
+    EXPECT_EQ(g.dv.get({0, 0, 0, 0}), 1.0) << static_cast<int>(b);
+  }
+}
+
+// ---- the wrong kind of error, undefined behaviour -------------------------
+
+// Defect 13: std::bad_alloc instead of qkv::Error.
+TEST(Regression, AbsurdSizesAreErrorsNotBadAlloc) {
+  const qkv::KvCache cache = small_cache();
+  const Tensor q_storage(DType::f32, {4});
+  const ConstTensorView q(q_storage.view().data(), DType::f32, {1, 1, std::int64_t{1} << 40, 4},
+                          {0, 0, 0, 1});
+  EXPECT_NE(error_of([&] { qkv::decode_attention(q, cache); }), "");
+  EXPECT_NE(error_of([] {
+              qkv::KvCache({std::int64_t{1} << 40, 1, 4, 0, 1, DType::f32, 0, 0});
+            }),
+            "");
+  EXPECT_NE(error_of([] {
+              Tensor(DType::f32, {std::int64_t{1} << 40, std::int64_t{1} << 20});
+            }),
+            "");
+}
+
+// Defect 14: numel() overflowed, copy() accepted partially overlapping views
+// (and produced all 1s from 1..8), and empty views with null data reached
+// memcpy.
+TEST(Regression, CopyHandlesOverlapAndEmptyViews) {
+  float data[9] = {1, 2, 3, 4, 5, 6, 7, 8, 0};
+  const ConstTensorView src(data, {8});
+  const TensorView dst(data + 1, {8});
+  const std::string message = error_of([&] { qkv::copy(src, dst); });
+  EXPECT_NE(message.find("overlap"), std::string::npos) << message;
+  EXPECT_EQ(data[8], 0.0f);  // nothing written
+  qkv::copy(ConstTensorView(nullptr, DType::f32, {0, 3}), TensorView(nullptr, DType::f32, {0, 3}));
+  const ConstTensorView huge(data, DType::f32, {kMax, kMax, 0}, {0, 0, 0});
+  EXPECT_EQ(huge.numel(), 0);
+  EXPECT_NE(error_of([&] {
+              qkv::copy(ConstTensorView(data, DType::f32, {2, 2}, {kMax, 1}),
+                        TensorView(data, DType::f32, {2, 2}, {kMax, 1}));
+            }),
+            "");
+}
+
+// Defect 15: the element-count error of a safetensors shape named neither
+// the file nor the tensor.
+TEST(Regression, SafetensorsShapeOverflowNamesFileAndTensor) {
+  const std::string header =
+      "{\"big\":{\"dtype\":\"F32\",\"shape\":[0,4611686018427387904,4611686018427387904],"
+      "\"data_offsets\":[0,0]}}";
+  const std::string path = temp_file("overflow.safetensors", safetensors_bytes(header));
+  const std::string message = error_of([&] { qkv::nn::load_safetensors(path); });
+  EXPECT_NE(message.find(path + ": tensor \"big\""), std::string::npos) << message;
+  std::remove(path.c_str());
+}
+
+}  // namespace
