@@ -369,7 +369,7 @@ TEST(AdditiveModule, ValidationNamesEveryProblem) {
     ASSERT_EQ(e.reasons().size(), 2u) << e.what();
     EXPECT_NE(std::string(e.what()).find("d_context: expected [B, H] = [2, 4], got [2, 5]"),
               std::string::npos);
-    EXPECT_NE(std::string(e.what()).find("d_weights: expected f32"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("d_weights: expected dtype f32"), std::string::npos);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "bad_input.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -22,6 +23,8 @@ using qkv::KvCacheConfig;
 using qkv::RopeConfig;
 using qkv::Tensor;
 using qkv::TensorView;
+using qkv::test::error_of;
+using qkv::test::expect_contains;
 using qkv::test::random_tensor;
 using Table = std::vector<std::int64_t>;
 
@@ -321,26 +324,6 @@ TEST(KvCache, ExplicitPoolSmallerThanTheDefault) {
 
 // ---- bad input ---------------------------------------------------------
 
-std::optional<qkv::Error> error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const qkv::Error& e) {
-    return e;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a different exception: " << e.what();
-    return std::nullopt;
-  }
-  ADD_FAILURE() << "did not throw";
-  return std::nullopt;
-}
-
-void expect_contains(const std::string& text, const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "message lacks \"" << part << "\"; message:\n"
-                                                  << text;
-  }
-}
-
 // The cache every bad call starts from: 2 sequences of 2 KV heads, Dk 3 and
 // Dv 2, capacity 10, bf16 pages of 4 tokens in a pool of 4; sequence 0 holds
 // 6 tokens (pages 0, 1), sequence 1 holds 3 (page 2), one page is free.
@@ -456,7 +439,7 @@ const std::vector<BadCall>& bad_calls() {
          std::vector<std::uint8_t> mask(12);
          c.append(ConstTensorView(mask.data(), DType::boolean, {2, 1, 2, 3}), rows({2, 1, 2, 2}));
        },
-       {"k_new: expected a floating dtype (f32, f64, f16 or bf16), got bool"}},
+       {"k_new: expected dtype f32, f64, f16 or bf16, got bool"}},
       {"counts_size",
        [](KvCache& c) {
          const std::int64_t counts[] = {1, 1, 1};
@@ -767,7 +750,7 @@ TEST(Rope, RejectsBadArgumentsAndLeavesXUnchanged) {
   expect_contains(reasons(rank3, two, {}).at(0), {"x: expected rank 4 [B, n, H, D], got rank 3"});
   std::vector<std::uint8_t> mask(72);
   expect_contains(reasons(TensorView(mask.data(), DType::boolean, {2, 3, 2, 6}), two, {}).at(0),
-                  {"x: expected a floating dtype", "got bool"});
+                  {"x: expected dtype f32, f64, f16 or bf16, got bool"});
   // Rows that share memory would be rotated twice.
   const TensorView overlapping(x.view().data(), DType::f32, {2, 3, 2, 6}, {0, 12, 6, 1});
   expect_contains(reasons(overlapping, two, {}).at(0), {"x: has overlapping elements"});

@@ -123,7 +123,7 @@ TEST(LinearModule, ValidationNamesEveryProblem) {
   } catch (const Error& e) {
     ASSERT_EQ(e.reasons().size(), 2u) << e.what();
     EXPECT_NE(std::string(e.what()).find("in_features = 4"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("dy: expected f32"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dy: expected dtype f32"), std::string::npos) << e.what();
   }
   EXPECT_THROW(lin.forward(Tensor(DType::f32, {2, 3})), Error);
   // No rows: an empty result, and gradients that stay zero.

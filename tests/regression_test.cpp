@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "attention_checks.hpp"
+#include "qkv/modules/positional.hpp"
 #include "qkv/modules/safetensors.hpp"
+#include "qkv/modules/vision.hpp"
 #include "qkv/qkv.hpp"
 #include "test_util.hpp"
 
@@ -386,6 +388,37 @@ TEST(Regression, ReferenceBackwardRecomputesItsLogsumexp) {
 
 // ---- the wrong kind of error, undefined behaviour -------------------------
 
+// Found by fuzz_modules: a DType cast from an integer out of the enum's
+// range was "floating" and 0 bytes wide, so a module allocated a 64-byte
+// parameter of [1, 2^63 - 1] elements.
+TEST(Regression, OutOfRangeDTypeIsAnError) {
+  const auto bad = static_cast<DType>(6);
+  EXPECT_FALSE(qkv::is_floating(bad));
+  EXPECT_NE(error_of([&] { Tensor(bad, {2}); }), "");
+  float x = 0;
+  EXPECT_NE(error_of([&] { ConstTensorView(&x, bad, {1}); }), "");
+  EXPECT_NE(error_of([&] { qkv::nn::LearnedPositionalEmbedding(1, kMax, bad); }), "");
+}
+
+// Found by fuzz_modules: RelativePositionBias::bias(2^62, 0) visited 2^62
+// empty rows (a hang on valid input).
+TEST(Regression, EmptyRelativeBiasReturnsAtOnce) {
+  const qkv::nn::RelativePositionBias rpb(2, 8, 16, true);
+  const Tensor b = rpb.bias(std::int64_t{1} << 62, 0);
+  EXPECT_EQ(b.size(1), std::int64_t{1} << 62);
+  EXPECT_EQ(b.numel(), 0);
+}
+
+// An ImageLayout cast from an integer out of range was read as nchw.
+TEST(Regression, OutOfRangeImageLayoutIsAnError) {
+  const qkv::nn::SqueezeExcitation se(8);
+  const Tensor x = random_tensor(DType::f32, {1, 8, 2, 2}, 3);
+  EXPECT_NE(error_of([&] {
+              se.forward(x, static_cast<qkv::nn::ImageLayout>(7));
+            }).find("layout: expected ImageLayout::nchw or ImageLayout::nhwc, got value 7"),
+            std::string::npos);
+}
+
 // Defect 13: std::bad_alloc instead of qkv::Error.
 TEST(Regression, AbsurdSizesAreErrorsNotBadAlloc) {
   const qkv::KvCache cache = small_cache();
@@ -395,6 +428,13 @@ TEST(Regression, AbsurdSizesAreErrorsNotBadAlloc) {
   EXPECT_NE(error_of([&] { qkv::decode_attention(q, cache); }), "");
   EXPECT_NE(error_of([] {
               qkv::KvCache({std::int64_t{1} << 40, 1, 4, 0, 1, DType::f32, 0, 0});
+            }),
+            "");
+  // Paged with a pool of one page: the storage is small but the per-sequence
+  // lengths exceed what a std::vector can hold (std::length_error, found by
+  // fuzz_decode).
+  EXPECT_NE(error_of([] {
+              qkv::KvCache({std::int64_t{1} << 62, 1, 4, 0, 1, DType::f32, 1, 1});
             }),
             "");
   EXPECT_NE(error_of([] {

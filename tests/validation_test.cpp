@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "bad_input.hpp"
 #include "qkv/qkv.hpp"
 
 namespace {
@@ -23,6 +24,8 @@ namespace {
 using qkv::ConstTensorView;
 using qkv::DType;
 using qkv::TensorView;
+using qkv::test::error_of;
+using qkv::test::expect_contains;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -122,31 +125,6 @@ class Call {
   std::vector<std::shared_ptr<void>> blocks_;
 };
 
-// Runs the call; returns the qkv::Error it throws, and fails the test if it
-// throws nothing or another exception.
-std::optional<qkv::Error> error_of(const Call& call) {
-  try {
-    call.run();
-  } catch (const qkv::Error& e) {
-    return e;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a different exception: " << e.what();
-    return std::nullopt;
-  } catch (...) {
-    ADD_FAILURE() << "threw something that is not a std::exception";
-    return std::nullopt;
-  }
-  ADD_FAILURE() << "did not throw";
-  return std::nullopt;
-}
-
-void expect_contains(const std::string& text, const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "message lacks \"" << part << "\"; message:\n"
-                                                  << text;
-  }
-}
-
 struct BadCase {
   std::string name;                   // gtest parameter name
   std::function<void(Call&)> breaks;  // turns the valid base call into a bad one
@@ -191,6 +169,16 @@ const std::vector<BadCase>& bad_cases() {
          c.v = TensorView(c.v.data(), DType::f32, {2, std::int64_t{1} << 62, 2, 8}, {0, 0, 0, 0});
        },
        {"v: sizes [2, 4611686018427387904, 2, 8] with strides [0, 0, 0, 0]", "element count"}},
+      // The last element sits at offset 2^63 - 1, so its end does not fit
+      // in int64 even for 1-byte bool elements.
+      {"mask_ends_past_int64",
+       [](Call& c) {
+         const std::int64_t last_at_max = std::numeric_limits<std::int64_t>::max() - 139;
+         c.options.mask =
+             TensorView(c.q.data(), DType::boolean, {2, 4, 5, 7}, {last_at_max, 35, 7, 1});
+       },
+       {"options.mask: sizes [2, 4, 5, 7] with strides [9223372036854775668, 35, 7, 1] overflow "
+        "int64"}},
       {"k_batch",
        [](Call& c) {
          c.k = c.tensor(DType::f32, {3, 7, 2, 8});
@@ -608,7 +596,7 @@ TEST_P(ValidationBadInput, ThrowsErrorNamingTheProblem) {
   const BadCase& bad = GetParam();
   Call call;
   bad.breaks(call);
-  const std::optional<qkv::Error> error = error_of(call);
+  const std::optional<qkv::Error> error = error_of([&] { call.run(); });
   if (!error) return;
   expect_contains(error->what(), bad.message);
   EXPECT_EQ(error->reasons().size(), bad.reasons) << error->what();
@@ -702,7 +690,7 @@ TEST(ValidationTest, ListsEveryOptionProblemInOneError) {
   call.options.key_lengths = call.list<std::int64_t>({9, 9});
   call.options.alibi_slopes = call.list<float>({1, 1, 1});
   call.options.align = static_cast<qkv::Align>(9);
-  const std::optional<qkv::Error> error = error_of(call);
+  const std::optional<qkv::Error> error = error_of([&] { call.run(); });
   ASSERT_TRUE(error);
   expect_listed(*error, 6);  // two key lengths are out of range
   expect_contains(error->what(),
@@ -716,7 +704,7 @@ TEST(ValidationTest, ListsShapeAndOptionProblemsInOneError) {
   call.k = call.tensor(DType::f32, {3, 7, 2, 8});
   call.v = call.tensor(DType::f64, {2, 7, 2, 8});
   call.options.window_right = -5;
-  const std::optional<qkv::Error> error = error_of(call);
+  const std::optional<qkv::Error> error = error_of([&] { call.run(); });
   ASSERT_TRUE(error);
   expect_listed(*error, 3);
   expect_contains(error->what(), {"k: expected batch size (dim 0) 2", "v: expected dtype f32",
@@ -729,7 +717,7 @@ TEST(ValidationTest, ListsEveryOutputProblemInOneError) {
   call.outputs.out = call.tensor(DType::f16, {2, 5, 4, 8});
   call.outputs.lse = TensorView(call.outputs.out.data(), DType::f32, {2, 4, 5});
   call.outputs.probs = call.tensor(DType::f32, {2, 4, 5, 6});
-  const std::optional<qkv::Error> error = error_of(call);
+  const std::optional<qkv::Error> error = error_of([&] { call.run(); });
   ASSERT_TRUE(error);
   expect_listed(*error, 3);
   expect_contains(error->what(),

@@ -438,7 +438,7 @@ TEST(VisionModules, ValidationNamesEveryProblem) {
   nn::SqueezeExcitation se(4);
   r = reasons_of([&] { se.forward(Tensor(DType::boolean, {2, 4, 3})); });
   EXPECT_EQ(r.size(), 2u);
-  EXPECT_TRUE(mentions(r, "x: expected f32"));
+  EXPECT_TRUE(mentions(r, "x: expected dtype f32"));
   EXPECT_TRUE(mentions(r, "x: expected rank 4 [B, C, H, W]"));
   r = reasons_of([&] { se.forward(Tensor(DType::f32, {2, 3, 0, 4})); });
   EXPECT_EQ(r.size(), 2u);

@@ -42,6 +42,12 @@
 // with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
 // Softmax subtracts the row maximum. A row whose keys are all dropped has
 // out = 0, lse = -inf and probs = 0, never NaN. A NaN score yields a NaN row.
+// Keys a row does not admit never affect it, whatever their k and v hold
+// (NaN, infinities); docs/semantics.md states the rules for non-finite
+// inputs, which every backend follows. Sequence lengths (Nq, Nk, and the
+// packed totals) are below 2^60, so positions and window bounds never
+// overflow; scale is finite (|scale| <= FLT_MAX) and softcap is 0 or in
+// [2^-126, 2^126].
 //
 // Dropout (training): with dropout_p = p > 0 each weight P[b, h, i, j] is kept
 // with probability 1 - p and scaled by 1 / (1 - p), else zeroed, before it
@@ -74,7 +80,7 @@ enum class Align : std::uint8_t { top_left, bottom_right };
 
 // Which implementation runs the call.
 enum class Backend : std::uint8_t {
-  automatic,  // the fastest backend that supports the call
+  automatic,  // the fastest backend that supports the call (additive backward: reference)
   reference,  // plain loops in double: the specification
   fast,       // fused CPU kernels
 };

@@ -22,6 +22,13 @@
 // forward call (same masks, biases, dropout seed and offset); `score_mod`
 // has no derivative here and is rejected.
 //
+// Backends: the fused backward runs dot-product scores (Score::scaled_dot,
+// Score::dot). Score::additive has only the reference backward:
+// Backend::automatic runs it there, Backend::reference too, and
+// Backend::fast is rejected with a qkv::Error saying so. A fused result
+// holding a NaN or an infinity is recomputed by the reference (see
+// docs/semantics.md).
+//
 // FlashAttention-2's form: with P recomputed from lse, Z the dropout mask
 // and r = 1 / (1 - dropout_p),
 //   D_i  = sum_c dout_ic out_ic

@@ -74,11 +74,14 @@ struct BigBirdConfig {
   std::uint64_t seed = 0;          // the draw is a pure function of the seed
 };
 
-// Builds the layout: query block a sees key blocks |a - b| <= window_blocks
-// (on the diagonal of the (nq, nk) grid), the first global_blocks key blocks,
-// and random_blocks others drawn without replacement; the first
-// global_blocks query blocks see every key block. Throws qkv::Error on bad
-// parameters.
+// Builds the layout over q_blocks = ceil(nq / block_size) query blocks and
+// k_blocks = ceil(nk / block_size) key blocks: query block a sees the key
+// blocks b with |b - d(a)| <= window_blocks around its diagonal block
+// d(a) = a + (k_blocks - q_blocks) (the diagonal aligned at the bottom right,
+// in block units, as Align::bottom_right aligns rows; d(a) = a when
+// nq == nk), the first global_blocks key blocks, and random_blocks others
+// drawn without replacement; the first global_blocks query blocks see every
+// key block. Throws qkv::Error on bad parameters.
 BlockLayout bigbird_layout(const BigBirdConfig& config);
 
 namespace detail {

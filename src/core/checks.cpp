@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 
 #include "core/elements.hpp"
 
@@ -16,9 +17,18 @@ std::string num(double x) {
   return {text, std::to_chars(text, text + sizeof text, x).ptr};
 }
 
-std::string str(DType dtype) { return std::string(dtype_name(dtype)); }
+std::string str(DType dtype) {
+  if (dtype_size(dtype) == 0) return "value " + std::to_string(static_cast<int>(dtype));
+  return std::string(dtype_name(dtype));
+}
 
 std::string shape_of(ConstTensorView t) { return shape_string(t.size_span()); }
+
+bool check_floating(const char* name, DType dtype, Reasons& r) {
+  if (is_floating(dtype)) return true;
+  r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " + str(dtype));
+  return false;
+}
 
 bool check_memory(const char* name, ConstTensorView t, Reasons& r) {
   if (!extent_fits(t)) {
@@ -51,17 +61,27 @@ bool check_view(const char* name, ConstTensorView t, const ViewSpec& spec, Reaso
   } else if (!spec.sizes.empty() &&
              !std::equal(spec.sizes.begin(), spec.sizes.end(), t.size_span().begin())) {
     r.push_back(std::string(name) + ": expected sizes" + (layout.empty() ? "" : layout + " =") +
-                " " + shape_string(spec.sizes) + ", got " + shape_of(t));
+                " " + shape_string(spec.sizes) +
+                (spec.sizes_source != nullptr ? std::string(" (") + spec.sizes_source + ")" : "") +
+                ", got " + shape_of(t));
   }
   if (spec.dtype && t.dtype() != *spec.dtype) {
     r.push_back(std::string(name) + ": expected dtype " + str(*spec.dtype) +
                 (spec.dtype_source != nullptr ? std::string(" (") + spec.dtype_source + ")" : "") +
                 ", got " + str(t.dtype()));
-  } else if (spec.floating && !is_floating(t.dtype())) {
-    r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " +
-                str(t.dtype()));
+  } else if (spec.floating) {
+    check_floating(name, t.dtype(), r);
   }
   return check_memory(name, t, r) && readable;
+}
+
+void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
+               const std::string& source, Reasons& r) {
+  if (t.size(d) != expected) {
+    r.push_back(std::string(name) + ": expected " + what + " (dim " + std::to_string(d) + ") " +
+                std::to_string(expected) + " to match " + source + ", got " +
+                std::to_string(t.size(d)) + " (sizes " + shape_of(t) + ")");
+  }
 }
 
 void Aliasing::input(const char* name, ConstTensorView t) {
@@ -83,9 +103,11 @@ void Aliasing::output(const char* name, ConstTensorView t, Reasons& r) {
   views_.emplace_back(name, t);
 }
 
-void check_output(const char* name, ConstTensorView t, const ViewSpec& spec, Aliasing& aliasing,
+bool check_output(const char* name, ConstTensorView t, const ViewSpec& spec, Aliasing& aliasing,
                   Reasons& r) {
-  if (check_view(name, t, spec, r)) aliasing.output(name, t, r);
+  if (!check_view(name, t, spec, r)) return false;
+  aliasing.output(name, t, r);
+  return true;
 }
 
 void check_fast_dtype(Backend backend, DType dtype, Reasons& r) {
@@ -96,7 +118,34 @@ void check_fast_dtype(Backend backend, DType dtype, Reasons& r) {
   }
 }
 
+void check_rope(const RopeConfig& rope, std::int64_t head_dim, const char* dim, Reasons& r) {
+  using std::to_string;
+  if (!(rope.base > 1.0) || !std::isfinite(rope.base)) {
+    r.push_back("rope.base: expected a finite frequency base > 1, got " + num(rope.base));
+  }
+  if (head_dim < 0) {
+    if (rope.rotary_dim < 0 || rope.rotary_dim % 2 != 0) {
+      r.push_back("rope.rotary_dim: expected an even number >= 0 (0 = the whole head), got " +
+                  to_string(rope.rotary_dim));
+    }
+    return;
+  }
+  const std::string d = std::string(dim) + " = " + to_string(head_dim);
+  if (rope.rotary_dim < 0 || rope.rotary_dim > head_dim || rope.rotary_dim % 2 != 0) {
+    r.push_back("rope.rotary_dim: expected an even number in [0, " + d +
+                "] (0 = the whole head), got " + to_string(rope.rotary_dim));
+  } else if (rope.rotary_dim == 0 && head_dim % 2 != 0) {
+    r.push_back("rope.rotary_dim: 0 rotates the whole head, which needs an even head dim, got " +
+                d + " (rotate an even number of leading elements instead)");
+  }
+}
+
 bool checked_product(std::initializer_list<std::int64_t> factors, std::int64_t& out) {
+  // A factor of 0 makes the product 0 however large the others are.
+  if (std::find(factors.begin(), factors.end(), 0) != factors.end()) {
+    out = 0;
+    return true;
+  }
   out = 1;
   for (const std::int64_t f : factors) {
     if (__builtin_mul_overflow(out, f, &out)) return false;

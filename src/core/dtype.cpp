@@ -40,7 +40,9 @@ std::string_view dtype_name(DType dtype) {
   return "?";
 }
 
-bool is_floating(DType dtype) { return dtype != DType::boolean; }
+bool is_floating(DType dtype) {
+  return dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 || dtype == DType::bf16;
+}
 
 namespace {
 

@@ -57,9 +57,11 @@ bool extent_fits(ConstTensorView view) {
       return false;
     }
   }
+  // The end of the last element, last + 1 elements in, in bytes (last may
+  // be 2^63 - 1 itself).
   std::int64_t bytes = 0;
-  return !__builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dtype_size(view.dtype())),
-                                 &bytes);
+  return !__builtin_add_overflow(last, 1, &last) &&
+         !__builtin_mul_overflow(last, static_cast<std::int64_t>(dtype_size(view.dtype())), &bytes);
 }
 
 }  // namespace qkv::detail

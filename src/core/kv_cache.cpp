@@ -5,40 +5,26 @@
 
 #include <algorithm>
 #include <cassert>
-#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <functional>
-#include <initializer_list>
 #include <limits>
-#include <new>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "core/checks.hpp"
 #include "core/elements.hpp"
-#include "core/validate.hpp"
 
 namespace qkv {
 namespace {
 
-using Reasons = std::vector<std::string>;
+using detail::Reasons;
+using detail::throw_if;
 using std::to_string;
-
-std::string str(DType d) { return std::string(dtype_name(d)); }
-
-// Shortest text that reads back as `x` (std::to_string would print 1e-9 as
-// "0.000000").
-std::string num(double x) {
-  char text[32];
-  return {text, std::to_chars(text, text + sizeof text, x).ptr};
-}
-
-void throw_if(const Reasons& r) {
-  if (!r.empty()) throw Error(r);
-}
 
 // ---- element conversion ----------------------------------------------------
 
@@ -148,30 +134,6 @@ std::int64_t resolved_rotary_dim(const RopeConfig& rope, std::int64_t head_dim) 
   return rope.rotary_dim == 0 ? head_dim : rope.rotary_dim;
 }
 
-// `dim` names the rotated head dimension in messages ("D", "Dk"); head_dim < 0
-// when it is unknown (the tensor is malformed), which leaves only the checks
-// that do not depend on it.
-void check_rope(const RopeConfig& rope, std::int64_t head_dim, const char* dim, Reasons& r) {
-  if (!(rope.base > 1.0) || !std::isfinite(rope.base)) {
-    r.push_back("rope.base: expected a finite frequency base > 1, got " + num(rope.base));
-  }
-  if (head_dim < 0) {
-    if (rope.rotary_dim < 0 || rope.rotary_dim % 2 != 0) {
-      r.push_back("rope.rotary_dim: expected an even number >= 0 (0 = the whole head), got " +
-                  to_string(rope.rotary_dim));
-    }
-    return;
-  }
-  const std::string d = std::string(dim) + " = " + to_string(head_dim);
-  if (rope.rotary_dim < 0 || rope.rotary_dim > head_dim || rope.rotary_dim % 2 != 0) {
-    r.push_back("rope.rotary_dim: expected an even number in [0, " + d +
-                "] (0 = the whole head), got " + to_string(rope.rotary_dim));
-  } else if (rope.rotary_dim == 0 && head_dim % 2 != 0) {
-    r.push_back("rope.rotary_dim: 0 rotates the whole head, which needs an even head dim, got " +
-                d + " (rotate an even number of leading elements instead)");
-  }
-}
-
 // The rotation of one position, applied to head vectors held in double.
 class Rotation {
  public:
@@ -224,35 +186,6 @@ class Rotation {
 
 // ---- argument checks -------------------------------------------------------
 
-// A tensor argument: defined, of the given rank, addressable, backed by memory
-// when it has elements, and floating. Returns whether its sizes may be read.
-bool check_view(const char* name, ConstTensorView t, int rank, const char* layout, Reasons& r) {
-  if (!t.defined()) {
-    r.push_back(std::string(name) + ": required tensor is undefined");
-    return false;
-  }
-  if (!is_floating(t.dtype())) {
-    r.push_back(std::string(name) + ": expected a floating dtype (f32, f64, f16 or bf16), got " +
-                str(t.dtype()));
-  }
-  if (t.rank() != rank) {
-    r.push_back(std::string(name) + ": expected rank " + to_string(rank) + " " + layout +
-                ", got rank " + to_string(t.rank()) + " with sizes " + shape_string(t.size_span()));
-    return false;
-  }
-  // Sizes are readable unless the extent overflows (a null pointer is only
-  // a reason).
-  return detail::check_memory(name, t, r) || detail::extent_fits(t);
-}
-
-void check_sizes(const char* name, ConstTensorView t, std::span<const std::int64_t> expected,
-                 const char* layout, const std::string& source, Reasons& r) {
-  if (!std::equal(expected.begin(), expected.end(), t.size_span().begin())) {
-    r.push_back(std::string(name) + ": expected sizes " + layout + " = " + shape_string(expected) +
-                " (" + source + "), got " + shape_string(t.size_span()));
-  }
-}
-
 std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch) {
   return std::string(op) + ": unknown sequence " + to_string(b) + " (batch is " + to_string(batch) +
          ")";
@@ -261,35 +194,34 @@ std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch)
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
 // Checks a call of apply_rope (or its backward, whose tensor is `name`),
-// listing every problem.
+// listing every problem. x is rotated in place, so it is checked as an
+// output: no two of its indices may address the same element.
 void check_rope_call(const char* name, TensorView x, std::span<const std::int64_t> start_positions,
                      const RopeConfig& rope) {
   Reasons r;
-  const bool x_ok = check_view(name, x, 4, "[B, n, H, D]", r);
-  if (x_ok) {
-    if (const std::string reason = detail::self_overlap_reason(x); !reason.empty()) {
-      r.push_back(std::string(name) + ": " + reason + " (it is rotated in place)");
-    }
-    check_rope(rope, x.size(3), "D", r);
-    const std::int64_t batch = x.size(0);
-    const std::int64_t n = x.size(1);
-    if (static_cast<std::int64_t>(start_positions.size()) != batch) {
-      r.push_back("start_positions: expected one position per sequence (B = " + to_string(batch) +
-                  "), got " + to_string(start_positions.size()));
-    } else {
-      for (std::size_t b = 0; b < start_positions.size(); ++b) {
-        const std::int64_t p = start_positions[b];
-        if (p < 0) {
-          r.push_back("start_positions[" + to_string(b) + "]: expected a position >= 0, got " +
-                      to_string(p));
-        } else if (n > 0 && p > std::numeric_limits<std::int64_t>::max() - (n - 1)) {
-          r.push_back("start_positions[" + to_string(b) + "]: " + to_string(p) + " + " +
-                      to_string(n - 1) + " (its last row) overflows int64");
-        }
+  detail::Aliasing in_place;
+  if (!detail::check_output(name, x, {.rank = 4, .layout = "[B, n, H, D]", .floating = true},
+                            in_place, r)) {
+    detail::check_rope(rope, -1, "D", r);
+    throw_if(r);
+  }
+  detail::check_rope(rope, x.size(3), "D", r);
+  const std::int64_t batch = x.size(0);
+  const std::int64_t n = x.size(1);
+  if (static_cast<std::int64_t>(start_positions.size()) != batch) {
+    r.push_back("start_positions: expected one position per sequence (B = " + to_string(batch) +
+                "), got " + to_string(start_positions.size()));
+  } else {
+    for (std::size_t b = 0; b < start_positions.size(); ++b) {
+      const std::int64_t p = start_positions[b];
+      if (p < 0) {
+        r.push_back("start_positions[" + to_string(b) + "]: expected a position >= 0, got " +
+                    to_string(p));
+      } else if (n > 0 && p > std::numeric_limits<std::int64_t>::max() - (n - 1)) {
+        r.push_back("start_positions[" + to_string(b) + "]: " + to_string(p) + " + " +
+                    to_string(n - 1) + " (its last row) overflows int64");
       }
     }
-  } else {
-    check_rope(rope, -1, "D", r);
   }
   throw_if(r);
 }
@@ -348,24 +280,37 @@ struct Pool {
   TensorView keys, values;
 };
 
+// The rows an append gives each sequence b: counts[b], or when counts is
+// empty `rows` (to sequence `only` alone when it is >= 0, else to each).
+struct Counts {
+  std::span<const std::int64_t> counts = {};
+  std::int64_t rows = 0;
+  std::int64_t only = -1;
+
+  std::int64_t operator[](std::size_t b) const {
+    if (!counts.empty()) return counts[b];
+    return only < 0 || static_cast<std::int64_t>(b) == only ? rows : 0;
+  }
+};
+
 // Whether every sequence has room for counts[b] more tokens, and the pool
 // enough free pages for all of them together.
-void check_room(const char* op, const Pool& pool, std::span<const std::int64_t> counts,
-                Reasons& r) {
+void check_room(const char* op, const Pool& pool, const Counts& counts, Reasons& r) {
   std::int64_t pages_needed = 0;
-  for (std::size_t b = 0; b < counts.size(); ++b) {
+  for (std::size_t b = 0; b < pool.lengths.size(); ++b) {
     const std::int64_t length = pool.lengths[b];
-    if (counts[b] > pool.capacity - length) {
+    const std::int64_t count = counts[b];
+    if (count > pool.capacity - length) {
       // Unsigned: both terms are below 2^63, their sum may not be.
       r.push_back(
           std::string(op) + ": sequence " + to_string(b) + " would hold " +
-          to_string(static_cast<std::uint64_t>(length) + static_cast<std::uint64_t>(counts[b])) +
+          to_string(static_cast<std::uint64_t>(length) + static_cast<std::uint64_t>(count)) +
           " tokens, more than capacity " + to_string(pool.capacity) + " (it holds " +
-          to_string(length) + ", " + to_string(counts[b]) + " appended)");
+          to_string(length) + ", " + to_string(count) + " appended)");
       continue;
     }
     const auto held = static_cast<std::int64_t>(pool.tables[b].size());
-    pages_needed += std::max<std::int64_t>(0, ceil_div(length + counts[b], pool.page_size) - held);
+    pages_needed += std::max<std::int64_t>(0, ceil_div(length + count, pool.page_size) - held);
   }
   const auto free_pages = static_cast<std::int64_t>(pool.free_list.size());
   if (pages_needed > free_pages) {
@@ -379,7 +324,7 @@ void check_room(const char* op, const Pool& pool, std::span<const std::int64_t> 
 // each sequence b, taking pages as sequences cross page boundaries. Runs only
 // after check_room passed; it cannot fail (the tables have their capacity
 // reserved), so a throwing call never gets here.
-void write(Pool& pool, ConstTensorView k, ConstTensorView v, std::span<const std::int64_t> counts,
+void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
            const RopeConfig* rope) {
   const DType storage = pool.keys.dtype();
   const CopyRow copy_key = copy_row_for(k.dtype(), storage);
@@ -392,7 +337,7 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, std::span<const std
   const std::int64_t key_token = pool.kv_heads * pool.head_dim;  // elements per stored token
   const std::int64_t value_token = pool.kv_heads * pool.value_dim;
 
-  for (std::size_t b = 0; b < counts.size(); ++b) {
+  for (std::size_t b = 0; b < pool.lengths.size(); ++b) {
     std::vector<std::int64_t>& table = pool.tables[b];
     for (std::int64_t t = 0; t < counts[b]; ++t) {
       const std::int64_t position = pool.lengths[b] + t;
@@ -488,7 +433,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                                storage_bytes)) {
     r.push_back("config: storage of " + to_string(pages) + " pages of " + to_string(tokens) +
                 " tokens x " + to_string(c.kv_heads) + " heads x " +
-                to_string(std::max(c.head_dim, dv)) + " elements of " + str(c.dtype) +
+                to_string(std::max(c.head_dim, dv)) + " elements of " + detail::str(c.dtype) +
                 " exceeds 2^63 bytes");
   }
   throw_if(r);
@@ -510,9 +455,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     } else {
       for (std::int64_t b = 0; b < c.batch; ++b) tables_[b] = {b};
     }
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception& e) {
+    // std::bad_alloc, or std::length_error for more sequences or pages than
+    // a std::vector can hold; nothing else is thrown here.
     throw Error("config: the block tables of " + to_string(c.batch) + " sequences and " +
-                to_string(pages) + " pages do not fit in memory");
+                to_string(pages) + " pages do not fit in memory (" + e.what() + ")");
   }
 }
 
@@ -529,36 +476,54 @@ std::int64_t KvCache::length(std::int64_t b) const {
 
 std::int64_t KvCache::free_pages() const { return static_cast<std::int64_t>(free_.size()); }
 
+namespace {
+
+// Checks the rows of an append, k_new [B, n, Hkv, Dk] and v_new [B, n, Hkv,
+// Dv] (`batched`) or k_new [n, Hkv, Dk] and v_new [n, Hkv, Dv] (append_to),
+// and the rope applied on the way in. n is k_new's (v_new's when k_new has
+// the wrong rank); v_new is held to it. Returns n, or -1 when neither gives
+// it.
+std::int64_t check_rows(const KvCache& cache, bool batched, ConstTensorView k_new,
+                        ConstTensorView v_new, const RopeConfig* rope, Reasons& r) {
+  const KvCacheConfig& c = cache.config();
+  const int rank = batched ? 4 : 3;
+  const auto has_rank = [&](ConstTensorView t) { return t.defined() && t.rank() == rank; };
+  const bool from_k = has_rank(k_new);
+  const bool from_v = !from_k && has_rank(v_new);
+  const std::int64_t n = from_k ? k_new.size(rank - 3) : from_v ? v_new.size(rank - 3) : -1;
+  const std::string source =
+      std::string(batched ? "batch, " : "") + "kv_heads and head dims of the cache";
+  const auto check = [&](const char* name, ConstTensorView t, std::int64_t head_dim,
+                         const std::string& from, const char* layout) {
+    const std::int64_t sizes[] = {c.batch, n, c.kv_heads, head_dim};
+    detail::check_view(name, t,
+                       {.sizes = std::span(sizes).last(rank),
+                        .sizes_source = from.c_str(),
+                        .layout = layout,
+                        .floating = true},
+                       r);
+  };
+  check("k_new", k_new, c.head_dim, source, batched ? "[B, n, Hkv, Dk]" : "[n, Hkv, Dk]");
+  check("v_new", v_new, cache.value_dim(), source + (from_k ? ", n of k_new" : ""),
+        batched ? "[B, n, Hkv, Dv]" : "[n, Hkv, Dv]");
+  if (rope != nullptr) detail::check_rope(*rope, c.head_dim, "Dk", r);
+  return n;
+}
+
+}  // namespace
+
 void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
                      std::span<const std::int64_t> counts, const RopeConfig* rope) {
   Reasons r;
   const std::int64_t batch = config_.batch;
   const std::int64_t hkv = config_.kv_heads;
-  const bool k_ok = check_view("k_new", k_new, 4, "[B, n, Hkv, Dk]", r);
-  const bool v_ok = check_view("v_new", v_new, 4, "[B, n, Hkv, Dv]", r);
-  // n is k_new's; v_new is held to it.
-  const bool n_known = k_ok || v_ok;
-  const std::int64_t n = k_ok ? k_new.size(1) : v_ok ? v_new.size(1) : 0;
-  const std::string source = "batch, kv_heads and head dims of the cache";
-  if (k_ok) {
-    const std::int64_t want[] = {batch, n, hkv, config_.head_dim};
-    check_sizes("k_new", k_new, want, "[B, n, Hkv, Dk]", source, r);
-  }
-  if (v_ok) {
-    const std::int64_t want[] = {batch, n, hkv, value_dim()};
-    check_sizes("v_new", v_new, want, "[B, n, Hkv, Dv]", source + (k_ok ? ", n of k_new" : ""), r);
-  }
-  if (rope != nullptr) check_rope(*rope, config_.head_dim, "Dk", r);
-  std::vector<std::int64_t> all;
-  bool counts_ok = n_known;
-  if (counts.empty()) {
-    all.assign(static_cast<std::size_t>(batch), n);
-    counts = all;
-  } else if (static_cast<std::int64_t>(counts.size()) != batch) {
+  const std::int64_t n = check_rows(*this, true, k_new, v_new, rope, r);
+  bool counts_ok = n >= 0;
+  if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != batch) {
     r.push_back("counts: expected one count per sequence (B = " + to_string(batch) +
                 ") or none (all n rows), got " + to_string(counts.size()));
     counts_ok = false;
-  } else if (n_known) {
+  } else if (n >= 0) {
     for (std::size_t b = 0; b < counts.size(); ++b) {
       if (counts[b] < 0 || counts[b] > n) {
         r.push_back("counts[" + to_string(b) + "]: expected a count in [0, n = " + to_string(n) +
@@ -569,9 +534,10 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
   }
   Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
             tables_,          free_,       keys_, values_};
-  if (counts_ok) check_room("append", pool, counts, r);
+  const Counts rows{.counts = counts, .rows = n};
+  if (counts_ok) check_room("append", pool, rows, r);
   throw_if(r);
-  write(pool, k_new, v_new, counts, rope);
+  write(pool, k_new, v_new, rows, rope);
 }
 
 void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v_new,
@@ -581,34 +547,19 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   const std::int64_t hkv = config_.kv_heads;
   const bool b_ok = b >= 0 && b < batch;
   if (!b_ok) r.push_back(unknown_sequence("append_to", b, batch));
-  const bool k_ok = check_view("k_new", k_new, 3, "[n, Hkv, Dk]", r);
-  const bool v_ok = check_view("v_new", v_new, 3, "[n, Hkv, Dv]", r);
-  const std::int64_t n = k_ok ? k_new.size(0) : v_ok ? v_new.size(0) : 0;
-  const std::string source = "kv_heads and head dims of the cache";
-  if (k_ok) {
-    const std::int64_t want[] = {n, hkv, config_.head_dim};
-    check_sizes("k_new", k_new, want, "[n, Hkv, Dk]", source, r);
-  }
-  if (v_ok) {
-    const std::int64_t want[] = {n, hkv, value_dim()};
-    check_sizes("v_new", v_new, want, "[n, Hkv, Dv]", source + (k_ok ? ", n of k_new" : ""), r);
-  }
-  if (rope != nullptr) check_rope(*rope, config_.head_dim, "Dk", r);
+  const std::int64_t n = check_rows(*this, false, k_new, v_new, rope, r);
   // As a batch append in which only sequence b gets rows: the inputs repeat
   // over the batch (stride 0) and every other count is 0.
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(batch), 0);
   Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
             tables_,          free_,       keys_, values_};
-  if (b_ok && (k_ok || v_ok)) {
-    counts[b] = n;
-    check_room("append_to", pool, counts, r);
-  }
+  const Counts rows{.rows = n, .only = b};
+  if (b_ok && n >= 0) check_room("append_to", pool, rows, r);
   throw_if(r);
   const ConstTensorView k4(k_new.data(), k_new.dtype(), {batch, n, hkv, config_.head_dim},
                            {0, k_new.stride(0), k_new.stride(1), k_new.stride(2)});
   const ConstTensorView v4(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
                            {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
-  write(pool, k4, v4, counts, rope);
+  write(pool, k4, v4, rows, rope);
 }
 
 void KvCache::release(std::int64_t b) {

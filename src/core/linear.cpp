@@ -26,9 +26,7 @@ void check_tensors(ConstTensorView q, ConstTensorView k, ConstTensorView v, Line
   const bool q_ok = check_view("q", q, {.rank = 4}, r);
   const bool k_ok = check_view("k", k, {.rank = 4}, r);
   const bool v_ok = check_view("v", v, {.rank = 4}, r);
-  if (q.defined() && !is_floating(q.dtype())) {
-    r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
-  }
+  if (q.defined()) check_floating("q", q.dtype(), r);
   for (auto [name, t] : {std::pair{"k", k}, {"v", v}}) {
     if (t.defined() && q.defined() && t.dtype() != q.dtype()) {
       r.push_back(std::string(name) + ": expected dtype " + str(q.dtype()) +

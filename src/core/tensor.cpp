@@ -22,7 +22,9 @@ Shape contiguous_strides(std::span<const std::int64_t> sizes) {
   std::int64_t stride = 1;
   for (std::size_t d = sizes.size(); d-- > 0;) {
     if (d < strides.size()) strides[d] = stride;
-    if (__builtin_mul_overflow(stride, sizes[d] > 0 ? sizes[d] : 1, &stride)) {
+    // The outermost size scales no stride (an empty [2, 2^62, 0] has
+    // strides [2^62, 1, 1]).
+    if (d > 0 && __builtin_mul_overflow(stride, sizes[d] > 0 ? sizes[d] : 1, &stride)) {
       throw Error("tensor sizes " + shape_string(sizes) + ": element count overflows int64");
     }
   }
@@ -43,6 +45,10 @@ BasicTensorView<Const>::BasicTensorView(Pointer data, DType dtype,
                                         std::span<const std::int64_t> sizes,
                                         std::span<const std::int64_t> strides)
     : data_(data), dtype_(dtype), rank_(static_cast<int>(sizes.size())), defined_(true) {
+  if (dtype_size(dtype) == 0) {
+    throw Error("tensor dtype: expected f32, f64, f16, bf16 or bool, got value " +
+                std::to_string(static_cast<int>(dtype)));
+  }
   if (sizes.size() > kMaxRank) {
     throw Error("tensor rank: expected at most " + std::to_string(kMaxRank) + ", got " +
                 std::to_string(sizes.size()) + " (sizes " + shape_string(sizes) + ")");

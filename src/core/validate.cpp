@@ -25,15 +25,6 @@ void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv, Rea
   }
 }
 
-void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
-               const std::string& source, Reasons& r) {
-  if (t.size(d) != expected) {
-    r.push_back(std::string(name) + ": expected " + what + " (dim " + to_string(d) + ") " +
-                to_string(expected) + " to match " + source + ", got " + to_string(t.size(d)) +
-                " (sizes " + shape_of(t) + ")");
-  }
-}
-
 namespace {
 
 // The largest finite f32 number and the smallest normal one, 2^-126.
@@ -52,15 +43,6 @@ void check_same_dtype(const char* name, ConstTensorView t, DType expected, Reaso
   }
 }
 
-// Parameters (additive weights, bias tables) may use any floating dtype,
-// independent of the activations' (e.g. f32 weights with bf16 inputs).
-void check_floating(const char* name, ConstTensorView t, Reasons& r) {
-  if (!is_floating(t.dtype())) {
-    r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " +
-                str(t.dtype()));
-  }
-}
-
 void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const AttentionOptions& o,
                AttentionProblem& p, Reasons& r) {
   const bool q_ok = check_tensor("q", q, 4, r);
@@ -68,17 +50,13 @@ void check_qkv(ConstTensorView q, ConstTensorView k, ConstTensorView v, const At
   const bool v_ok = check_tensor("v", v, 4, r);
   // k and v must match a floating q; when q is not floating, asking them to
   // match it would suggest the wrong fix, so they are only checked alone.
-  const bool q_floating = q.defined() && is_floating(q.dtype());
-  if (q.defined() && !q_floating) {
-    r.push_back("q: expected dtype f32, f64, f16 or bf16, got " + str(q.dtype()));
-  }
+  const bool q_floating = q.defined() && check_floating("q", q.dtype(), r);
   for (auto [name, t] : {std::pair{"k", k}, {"v", v}}) {
     if (!t.defined()) continue;
     if (q_floating) {
       check_same_dtype(name, t, q.dtype(), r);
-    } else if (!is_floating(t.dtype())) {
-      r.push_back(std::string(name) + ": expected dtype f32, f64, f16 or bf16, got " +
-                  str(t.dtype()));
+    } else {
+      check_floating(name, t.dtype(), r);
     }
   }
   if (!(q_ok && k_ok && v_ok)) return;
@@ -129,7 +107,9 @@ void check_score(const AttentionOptions& o, AttentionProblem& p, Reasons& r) {
                          {"options.additive.w_k", a.w_k},
                          {"options.additive.v", a.v},
                          {"options.additive.bias", a.bias}}) {
-    if (t.defined()) check_floating(name, t, r);
+    // Parameters may use any floating dtype, independent of the activations'
+    // (e.g. f32 weights with bf16 inputs).
+    if (t.defined()) check_floating(name, t.dtype(), r);
   }
   if (!(wq_ok && wk_ok && v_ok && b_ok)) return;
   p.attention_size = a.w_q.size(0);
@@ -236,7 +216,7 @@ void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reaso
   const RelativePositionBias& rb = o.relative_bias;
   if (!rb.table.defined()) return;
   if (!check_tensor("options.relative_bias.table", rb.table, 2, r)) return;
-  check_floating("options.relative_bias.table", rb.table, r);
+  check_floating("options.relative_bias.table", rb.table.dtype(), r);
   check_dim("options.relative_bias.table", rb.table, 0, "heads", p.hq, "q's Hq", r);
   const std::int64_t buckets = rb.table.size(1);
   const std::int64_t per_side = rb.bidirectional ? buckets / 2 : buckets;

@@ -51,11 +51,6 @@ struct AttentionProblem {
   SequenceExtent sequence(std::int64_t s, const AttentionOptions& options) const;
 };
 
-// Appends a reason unless dimension d of t (its `what`) equals `expected`,
-// which comes from `source` ("q's batch 2").
-void check_dim(const char* name, ConstTensorView t, int d, const char* what, std::int64_t expected,
-               const std::string& source, Reasons& reasons);
-
 // Appends a reason unless k's hkv KV heads can be shared by hq query heads
 // (grouped-query attention: hkv >= 1 divides hq).
 void check_head_groups(ConstTensorView k, std::int64_t hq, std::int64_t hkv, Reasons& reasons);

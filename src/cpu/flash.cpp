@@ -195,8 +195,11 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
       const auto head_units = static_cast<std::int64_t>(plan.units.size()) - head_begin;
       std::int64_t chunks = (4 * threads + heads - 1) / heads;
       if (options.window_left >= 0) {
-        const std::int64_t window =
-            options.window_left + 1 + std::max<std::int64_t>(0, options.window_right);
+        // Sides capped at 2^57 keep 16 * window inside int64 (a side may be
+        // up to 2^63 - 1); a window that wide spans every unit anyway.
+        constexpr std::int64_t kSide = std::int64_t{1} << 57;
+        const std::int64_t window = std::min(options.window_left, kSide) + 1 +
+                                    std::clamp<std::int64_t>(options.window_right, 0, kSide);
         const std::int64_t task_units =
             std::max<std::int64_t>(1, 16 * window / plan.positions_per_unit);
         chunks = std::max(chunks, (head_units + task_units - 1) / task_units);

@@ -30,8 +30,7 @@ struct Geometry {
 };
 
 Geometry check_inputs(ConstTensorView hidden, ConstTensorView enc,
-                      std::span<const std::int64_t> lengths, std::int64_t H,
-                      std::vector<std::string>& r) {
+                      std::span<const std::int64_t> lengths, std::int64_t H, detail::Reasons& r) {
   Geometry g;
   g.hidden = H;
   const bool hid_ok = detail::check_input("decoder_hidden", hidden, 2, "[B, H]", r);
@@ -48,10 +47,11 @@ Geometry check_inputs(ConstTensorView hidden, ConstTensorView enc,
     r.push_back("encoder_outputs: expected the batch size B = " + std::to_string(hidden.size(0)) +
                 " of decoder_hidden, got " + shape_string(enc.size_span()));
   }
-  if (hid_ok && enc_ok && hidden.dtype() != enc.dtype()) {
+  // Only between floating dtypes: check_input has named any other.
+  if (hid_ok && enc_ok && hidden.dtype() != enc.dtype() && is_floating(hidden.dtype()) &&
+      is_floating(enc.dtype())) {
     r.push_back("decoder_hidden: expected the dtype of encoder_outputs (" +
-                std::string(dtype_name(enc.dtype())) + "), got " +
-                std::string(dtype_name(hidden.dtype())));
+                detail::str(enc.dtype()) + "), got " + detail::str(hidden.dtype()));
   }
   if (!enc_ok) return g;
   g.known = true;
@@ -77,7 +77,7 @@ Geometry check_inputs(ConstTensorView hidden, ConstTensorView enc,
 }
 
 void check_gradient(const char* name, ConstTensorView d, std::int64_t rows, std::int64_t cols,
-                    const char* shape, std::vector<std::string>& r) {
+                    const char* shape, detail::Reasons& r) {
   if (!detail::check_input(name, d, 2, shape, r)) return;
   if (d.size(0) != rows || d.size(1) != cols) {
     r.push_back(std::string(name) + ": expected " + shape + " = [" + std::to_string(rows) + ", " +
@@ -230,15 +230,13 @@ void step_backward(AdditiveAttention& m, const Geometry& g, const T* hid, const 
 }  // namespace
 
 AdditiveAttention::AdditiveAttention(std::int64_t hidden_size, DType dtype) : hidden_(hidden_size) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (hidden_size < 1 || hidden_size > std::numeric_limits<std::int64_t>::max() / 2) {
     r.push_back("hidden_size: expected >= 1 (and 2 * hidden_size within int64), got " +
                 std::to_string(hidden_size));
   }
-  if (!is_floating(dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
-  }
-  if (!r.empty()) throw Error(r);
+  detail::check_floating("dtype", dtype, r);
+  detail::throw_if(r);
   attn_weight = make_parameter(dtype, {hidden_, 2 * hidden_});
   attn_bias = make_parameter(dtype, {hidden_});
   v_weight = make_parameter(dtype, {1, hidden_});
@@ -247,7 +245,7 @@ AdditiveAttention::AdditiveAttention(std::int64_t hidden_size, DType dtype) : hi
 namespace {
 
 // Reasons the public parameters no longer have this module's shapes.
-void check_additive_parameters(const AdditiveAttention& m, std::vector<std::string>& r) {
+void check_additive_parameters(const AdditiveAttention& m, detail::Reasons& r) {
   const std::int64_t h = m.hidden_size();
   detail::check_parameter("attn.weight", m.attn_weight, {h, 2 * h}, r);
   detail::check_parameter("attn.bias", m.attn_bias, {h}, r);
@@ -259,10 +257,10 @@ void check_additive_parameters(const AdditiveAttention& m, std::vector<std::stri
 AdditiveAttentionOutput AdditiveAttention::forward(
     ConstTensorView decoder_hidden, ConstTensorView encoder_outputs,
     std::span<const std::int64_t> source_lengths) const {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const Geometry g = check_inputs(decoder_hidden, encoder_outputs, source_lengths, hidden_, r);
   check_additive_parameters(*this, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const DType in = encoder_outputs.dtype(), ct = detail::compute_dtype(in);
   const detail::Dense hid = detail::dense(decoder_hidden, ct);
@@ -291,16 +289,17 @@ AdditiveAttentionGradients AdditiveAttention::backward(ConstTensorView decoder_h
                                                        std::span<const std::int64_t> source_lengths,
                                                        ConstTensorView d_context,
                                                        ConstTensorView d_weights) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const Geometry g = check_inputs(decoder_hidden, encoder_outputs, source_lengths, hidden_, r);
   if (g.known) {
     check_gradient("d_context", d_context, g.batch, hidden_, "[B, H]", r);
     if (d_weights.defined()) check_gradient("d_weights", d_weights, g.batch, g.source, "[B, S]", r);
   }
   check_additive_parameters(*this, r);
-  if (!r.empty()) throw Error(r);
-
   const DType in = encoder_outputs.dtype(), ct = detail::compute_dtype(in);
+  if (g.known) detail::check_grads(named_parameters(), ct, r);
+  detail::throw_if(r);
+
   const detail::Dense hid = detail::dense(decoder_hidden, ct);
   const detail::Dense enc = detail::dense(encoder_outputs, ct);
   const detail::Dense dc = detail::dense(d_context, ct);

@@ -577,7 +577,7 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
 
 Cbam::Cbam(std::int64_t channels, const CbamOptions& options)
     : channels_(channels), kernel_(options.spatial_kernel_size), eps_(options.bn_eps) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   rd_ = detail::reduced_channels(channels, options.rd_ratio, options.rd_divisor,
                                  options.rd_channels, options.dtype, r);
   if (options.spatial_kernel_size < 1 || options.spatial_kernel_size % 2 == 0) {
@@ -585,9 +585,9 @@ Cbam::Cbam(std::int64_t channels, const CbamOptions& options)
                 std::to_string(options.spatial_kernel_size));
   }
   if (!(options.bn_eps >= 0.0 && std::isfinite(options.bn_eps))) {
-    r.push_back("bn_eps: expected a finite value >= 0, got " + std::to_string(options.bn_eps));
+    r.push_back("bn_eps: expected a finite value >= 0, got " + detail::num(options.bn_eps));
   }
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
   const DType dt = options.dtype;
   channel_fc1_weight = make_parameter(dt, {rd_, channels_, 1, 1});
   channel_fc2_weight = make_parameter(dt, {channels_, rd_, 1, 1});
@@ -606,11 +606,11 @@ Cbam::Cbam(std::int64_t channels, const CbamOptions& options)
 
 namespace {
 
-void check_running_var(const Cbam& m, double eps, std::vector<std::string>& reasons) {
+void check_running_var(const Cbam& m, double eps, detail::Reasons& reasons) {
   const double var = m.spatial_bn_running_var.value.get({0});
   if (!(var + eps > 0.0) || !std::isfinite(var)) {
     reasons.push_back("spatial.conv.bn.running_var: expected running_var + eps > 0 (eps = " +
-                      std::to_string(eps) + "), got running_var = " + std::to_string(var));
+                      detail::num(eps) + "), got running_var = " + detail::num(var));
   }
 }
 
@@ -619,7 +619,7 @@ void check_running_var(const Cbam& m, double eps, std::vector<std::string>& reas
 namespace {
 
 // Reasons the public parameters no longer have this module's shapes.
-void check_cbam_parameters(const Cbam& m, std::vector<std::string>& r) {
+void check_cbam_parameters(const Cbam& m, detail::Reasons& r) {
   const std::int64_t c = m.channels(), rd = m.rd_channels(), k = m.kernel_size();
   detail::check_parameter("channel.fc1.weight", m.channel_fc1_weight, {rd, c, 1, 1}, r);
   detail::check_parameter("channel.fc2.weight", m.channel_fc2_weight, {c, rd, 1, 1}, r);
@@ -637,12 +637,12 @@ void check_cbam_parameters(const Cbam& m, std::vector<std::string>& r) {
 }  // namespace
 
 Tensor Cbam::forward(ConstTensorView x, ImageLayout layout) const {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   const std::size_t before = r.size();
   check_cbam_parameters(*this, r);
   if (r.size() == before) check_running_var(*this, eps_, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
   const detail::Dense xs = detail::dense(x, ct);
@@ -656,22 +656,24 @@ Tensor Cbam::forward(ConstTensorView x, ImageLayout layout) const {
 }
 
 Tensor Cbam::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   detail::check_same_sizes(x, dy, r);
   const std::size_t before = r.size();
   check_cbam_parameters(*this, r);
   if (r.size() == before) check_running_var(*this, eps_, r);
-  if (!r.empty()) throw Error(r);
-
+  // The gradients this backward adds to (the running statistics are
+  // buffers, without gradients).
+  NamedParameters learned = named_parameters();
+  std::erase_if(learned, [&](const NamedParameter& p) {
+    return p.parameter == &spatial_bn_running_mean || p.parameter == &spatial_bn_running_var;
+  });
   const DType ct = detail::compute_dtype(x.dtype());
-  // Every gradient buffer first: a dtype clash throws before any is changed
-  // (the running statistics are buffers, without gradients).
-  for (const NamedParameter& p : named_parameters()) {
-    if (p.parameter != &spatial_bn_running_mean && p.parameter != &spatial_bn_running_var) {
-      detail::grad_of(*p.parameter, ct);
-    }
-  }
+  if (x.defined()) detail::check_grads(learned, ct, r);
+  detail::throw_if(r);
+
+  // Every gradient buffer first (check_grads has ruled out a dtype clash).
+  for (const NamedParameter& p : learned) detail::grad_of(*p.parameter, ct);
   const detail::Dense xs = detail::dense(x, ct);
   const detail::Dense dys = detail::dense(dy, ct);
   Tensor dx(ct, x.size_span());

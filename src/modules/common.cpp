@@ -10,7 +10,6 @@
 #include <random>
 #include <utility>
 
-#include "core/validate.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -20,10 +19,9 @@ void zero_grad(const NamedParameters& parameters) {
 }
 
 Parameter make_parameter(DType dtype, std::initializer_list<std::int64_t> sizes) {
-  if (!is_floating(dtype)) {
-    throw Error("parameter dtype: expected f32, f64, bf16 or f16, got " +
-                std::string(dtype_name(dtype)));
-  }
+  detail::Reasons r;
+  detail::check_floating("parameter dtype", dtype, r);
+  detail::throw_if(r);
   return Parameter{Tensor(dtype, sizes), Tensor()};
 }
 
@@ -197,15 +195,31 @@ void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t 
   }
 }
 
+namespace {
+
+// Empty when p's gradient may accumulate in `dtype`.
+std::string grad_dtype_reason(const Parameter& p, DType dtype) {
+  if (!p.grad.defined() || p.grad.dtype() == dtype) return {};
+  return ".grad: holds " + str(p.grad.dtype()) + " gradients, this backward computes " +
+         str(dtype) + " (call zero_grad between f32 and f64 backward calls)";
+}
+
+}  // namespace
+
 Tensor& grad_of(Parameter& p, DType dtype) {
-  if (!p.grad.defined()) {
-    p.grad = Tensor(dtype, p.value.view().size_span());
-  } else if (p.grad.dtype() != dtype) {
-    throw Error("parameter gradient: holds " + std::string(dtype_name(p.grad.dtype())) +
-                " gradients, this backward computes " + std::string(dtype_name(dtype)) +
-                " (call zero_grad between f32 and f64 backward calls)");
+  if (const std::string reason = grad_dtype_reason(p, dtype); !reason.empty()) {
+    throw Error("parameter" + reason);
   }
+  if (!p.grad.defined()) p.grad = Tensor(dtype, p.value.view().size_span());
   return p.grad;
+}
+
+void check_grads(const NamedParameters& parameters, DType dtype, Reasons& r) {
+  for (const NamedParameter& p : parameters) {
+    if (const std::string reason = grad_dtype_reason(*p.parameter, dtype); !reason.empty()) {
+      r.push_back(p.name + reason);
+    }
+  }
 }
 
 namespace {
@@ -243,28 +257,13 @@ void add_column_sums(DType dtype, const void* data, std::int64_t rows, std::int6
   }
 }
 
-bool check_input(const char* name, ConstTensorView x, int rank, const char* shape,
-                 std::vector<std::string>& reasons) {
-  if (!x.defined()) {
-    reasons.push_back(std::string(name) + ": required, got an undefined view");
-    return false;
-  }
-  bool ok = true;
-  if (!is_floating(x.dtype())) {
-    reasons.push_back(std::string(name) + ": expected f32, f64, bf16 or f16, got " +
-                      std::string(dtype_name(x.dtype())));
-    ok = false;
-  }
-  if (rank > 0 && x.rank() != rank) {
-    reasons.push_back(std::string(name) + ": expected rank " + std::to_string(rank) + " " + shape +
-                      ", got " + shape_string(x.size_span()));
-    ok = false;
-  }
-  return qkv::detail::check_memory(name, x, reasons) && ok;
+bool check_input(const char* name, ConstTensorView x, int rank, const char* layout,
+                 Reasons& reasons) {
+  return check_view(name, x, {.rank = rank, .layout = layout, .floating = true}, reasons);
 }
 
 bool check_parameter(const std::string& name, const Parameter& p,
-                     std::initializer_list<std::int64_t> sizes, std::vector<std::string>& reasons) {
+                     std::initializer_list<std::int64_t> sizes, Reasons& reasons) {
   const auto has = [&](const Tensor& t) {
     return std::equal(t.sizes().begin(), t.sizes().begin() + t.rank(), sizes.begin(), sizes.end());
   };
@@ -272,15 +271,12 @@ bool check_parameter(const std::string& name, const Parameter& p,
   if (!p.value.defined() || !is_floating(p.value.dtype()) || !has(p.value)) {
     reasons.push_back(
         name + ": expected a floating parameter of sizes " + shape_string(want) + ", got " +
-        (p.value.defined()
-             ? std::string(dtype_name(p.value.dtype())) + " " +
-                   shape_string(std::span(p.value.sizes().data(), std::size_t(p.value.rank())))
-             : std::string("none")));
+        (p.value.defined() ? str(p.value.dtype()) + " " + shape_of(p.value) : std::string("none")));
     return false;
   }
   if (p.grad.defined() && !has(p.grad)) {
     reasons.push_back(name + ".grad: expected sizes " + shape_string(want) + ", got " +
-                      shape_string(std::span(p.grad.sizes().data(), std::size_t(p.grad.rank()))));
+                      shape_of(p.grad));
     return false;
   }
   return true;

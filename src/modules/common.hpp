@@ -7,10 +7,23 @@
 #include <string>
 #include <vector>
 
+#include "core/checks.hpp"
 #include "qkv/modules/parameter.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::nn::detail {
+
+// The library's checks (core/checks.hpp), so that modules word their
+// messages as every other entry point does.
+using qkv::detail::check_dim;
+using qkv::detail::check_floating;
+using qkv::detail::check_view;
+using qkv::detail::num;
+using qkv::detail::Reasons;
+using qkv::detail::shape_of;
+using qkv::detail::str;
+using qkv::detail::throw_if;
+using qkv::detail::ViewSpec;
 
 // The dtype a module computes in for an input of dtype `input`: f64 for f64,
 // f32 for everything else.
@@ -36,8 +49,13 @@ void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t 
 
 // p.grad, allocated and zeroed in `dtype` on first use. Throws qkv::Error if
 // it already holds gradients of another dtype (mixing f32 and f64 backward
-// calls without zero_grad in between).
+// calls without zero_grad in between), which check_grads rules out first.
 Tensor& grad_of(Parameter& p, DType dtype);
+
+// Appends a reason for each parameter whose gradient holds another dtype
+// than `dtype`, the one a backward accumulates in: run with the other checks
+// so that no gradient is allocated or changed by a call that then throws.
+void check_grads(const NamedParameters& parameters, DType dtype, Reasons& reasons);
 
 // data[r * cols + c] += row[c] for every row r < rows (a bias broadcast).
 void add_row(DType dtype, void* data, std::int64_t rows, std::int64_t cols, const void* row);
@@ -45,11 +63,11 @@ void add_row(DType dtype, void* data, std::int64_t rows, std::int64_t cols, cons
 void add_column_sums(DType dtype, const void* data, std::int64_t rows, std::int64_t cols,
                      void* out);
 
-// Appends "name: expected ..., got ..." when x is undefined, not floating,
-// not of rank `rank` (0: any), or not backed by memory; returns whether it
-// may be used further.
-bool check_input(const char* name, ConstTensorView x, int rank, const char* shape,
-                 std::vector<std::string>& reasons);
+// A module's tensor input: check_view for a floating x of rank `rank` (-1:
+// any) whose dimensions `layout` names ("[B, N, E]"); returns whether its
+// sizes may be read.
+bool check_input(const char* name, ConstTensorView x, int rank, const char* layout,
+                 Reasons& reasons);
 
 // t itself (moved, never copied) when it already has `dtype`, else a
 // converted copy: a module's result in its input's dtype.
@@ -59,7 +77,7 @@ Tensor in_dtype(Tensor t, DType dtype);
 // and its gradient, if any, the same sizes (parameters are public members: a
 // caller may have replaced one). Returns whether p may be used.
 bool check_parameter(const std::string& name, const Parameter& p,
-                     std::initializer_list<std::int64_t> sizes, std::vector<std::string>& reasons);
+                     std::initializer_list<std::int64_t> sizes, Reasons& reasons);
 
 // The sizes of x with the last one replaced by `last`.
 std::vector<std::int64_t> with_last(ConstTensorView x, std::int64_t last);

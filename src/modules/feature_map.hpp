@@ -65,7 +65,11 @@ void for_each_chunk(const FeatureMap& g, F&& f) {
 // The geometry of `x` under `layout`; appends the reasons it cannot be used
 // by a module of `channels` channels.
 inline FeatureMap feature_map(const char* name, ConstTensorView x, std::int64_t channels,
-                              ImageLayout layout, std::vector<std::string>& reasons) {
+                              ImageLayout layout, Reasons& reasons) {
+  if (layout != ImageLayout::nchw && layout != ImageLayout::nhwc) {
+    reasons.push_back("layout: expected ImageLayout::nchw or ImageLayout::nhwc, got value " +
+                      std::to_string(static_cast<int>(layout)));
+  }
   const bool nhwc = layout == ImageLayout::nhwc;
   const char* shape = nhwc ? "[B, H, W, C]" : "[B, C, H, W]";
   FeatureMap m;
@@ -89,8 +93,7 @@ inline FeatureMap feature_map(const char* name, ConstTensorView x, std::int64_t 
 }
 
 // Appends a reason unless dy has the sizes of x.
-inline void check_same_sizes(ConstTensorView x, ConstTensorView dy,
-                             std::vector<std::string>& reasons) {
+inline void check_same_sizes(ConstTensorView x, ConstTensorView dy, Reasons& reasons) {
   if (!check_input("dy", dy, 4, "(the sizes of x)", reasons)) return;
   if (x.defined() && x.rank() == 4 &&
       !std::equal(x.size_span().begin(), x.size_span().end(), dy.size_span().begin())) {
@@ -105,24 +108,29 @@ inline void check_same_sizes(ConstTensorView x, ConstTensorView dy,
 // 0 when a check failed.
 inline std::int64_t reduced_channels(std::int64_t channels, double rd_ratio,
                                      std::int64_t rd_divisor, std::int64_t rd_channels, DType dtype,
-                                     std::vector<std::string>& r) {
+                                     Reasons& r) {
   const std::size_t before = r.size();
   if (channels < 1) r.push_back("channels: expected >= 1, got " + std::to_string(channels));
   if (!(rd_ratio > 0.0 && std::isfinite(rd_ratio))) {
-    r.push_back("rd_ratio: expected a finite value > 0, got " + std::to_string(rd_ratio));
+    r.push_back("rd_ratio: expected a finite value > 0, got " + num(rd_ratio));
   }
   if (rd_divisor < 1) r.push_back("rd_divisor: expected >= 1, got " + std::to_string(rd_divisor));
   if (rd_channels < 0) {
     r.push_back("rd_channels: expected >= 0 (0 derives it from rd_ratio), got " +
                 std::to_string(rd_channels));
   }
-  if (!is_floating(dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
-  }
+  check_floating("dtype", dtype, r);
   if (r.size() != before) return 0;
-  return rd_channels > 0
-             ? rd_channels
-             : make_divisible(static_cast<double>(channels) * rd_ratio, rd_divisor, 0, 0.0);
+  if (rd_channels > 0) return rd_channels;
+  const double width = static_cast<double>(channels) * rd_ratio;
+  // make_divisible's own bound, named by the arguments that exceed it.
+  if (!(width < 0x1p52)) {
+    r.push_back("rd_ratio: expected channels * rd_ratio below 2^52, got " +
+                std::to_string(channels) + " * " + num(rd_ratio) + " = " + num(width) +
+                " (or give rd_channels)");
+    return 0;
+  }
+  return make_divisible(width, rd_divisor, 0, 0.0);
 }
 
 // Pixels per task of the passes that split planes into pixel blocks: fixed,

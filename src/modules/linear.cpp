@@ -17,8 +17,8 @@ std::int64_t rows_of(ConstTensorView x) {
 }
 
 void check_features(const char* name, ConstTensorView x, std::int64_t features,
-                    const char* feature_name, std::vector<std::string>& reasons) {
-  if (!detail::check_input(name, x, 0, "", reasons)) return;
+                    const char* feature_name, detail::Reasons& reasons) {
+  if (!detail::check_input(name, x, -1, nullptr, reasons)) return;
   if (x.rank() < 1) {
     reasons.push_back(std::string(name) + ": expected rank 1 to 4 [..., " + feature_name +
                       "], got a scalar");
@@ -32,16 +32,15 @@ void check_features(const char* name, ConstTensorView x, std::int64_t features,
 
 Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool with_bias, DType dtype)
     : in_(in_features), out_(out_features) {
-  std::vector<std::string> r;
-  if (in_features < 1)
+  detail::Reasons r;
+  if (in_features < 1) {
     r.push_back("in_features: expected >= 1, got " + std::to_string(in_features));
+  }
   if (out_features < 1) {
     r.push_back("out_features: expected >= 1, got " + std::to_string(out_features));
   }
-  if (!is_floating(dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
-  }
-  if (!r.empty()) throw Error(r);
+  detail::check_floating("dtype", dtype, r);
+  detail::throw_if(r);
   weight = make_parameter(dtype, {out_, in_});
   if (with_bias) bias = make_parameter(dtype, {out_});
 }
@@ -52,10 +51,10 @@ void Linear::check_parameters(std::vector<std::string>& reasons) const {
 }
 
 Tensor Linear::forward(ConstTensorView x) const {
-  std::vector<std::string> r;
+  detail::Reasons r;
   check_features("x", x, in_, "in_features", r);
   check_parameters(r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
   const std::int64_t rows = rows_of(x);
@@ -69,7 +68,7 @@ Tensor Linear::forward(ConstTensorView x) const {
 }
 
 Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   check_features("x", x, in_, "in_features", r);
   check_features("dy", dy, out_, "out_features", r);
   if (r.empty() && detail::with_last(x, out_) != detail::with_last(dy, out_)) {
@@ -77,10 +76,11 @@ Tensor Linear::backward(ConstTensorView x, ConstTensorView dy) {
                 ", got " + shape_string(dy.size_span()));
   }
   check_parameters(r);
-  if (!r.empty()) throw Error(r);
-
   const DType ct = detail::compute_dtype(x.dtype());
-  // Every gradient buffer first: a dtype clash throws before any is changed.
+  if (x.defined()) detail::check_grads(named_parameters(), ct, r);
+  detail::throw_if(r);
+
+  // Every gradient buffer first (check_grads has ruled out a dtype clash).
   Tensor& gw = detail::grad_of(weight, ct);
   Tensor* gb = bias.defined() ? &detail::grad_of(bias, ct) : nullptr;
   const std::int64_t rows = rows_of(x);

@@ -19,7 +19,7 @@ namespace qkv::nn {
 
 namespace {
 
-using Reasons = std::vector<std::string>;
+using detail::Reasons;
 using std::to_string;
 
 const MultiHeadAttentionConfig& checked(const MultiHeadAttentionConfig& c) {
@@ -39,15 +39,18 @@ const MultiHeadAttentionConfig& checked(const MultiHeadAttentionConfig& c) {
   if (c.kdim < 0) r.push_back("kdim: expected >= 0 (0 = embed_dim), got " + to_string(c.kdim));
   if (c.vdim < 0) r.push_back("vdim: expected >= 0 (0 = embed_dim), got " + to_string(c.vdim));
   if (!(c.dropout >= 0.0 && c.dropout < 1.0)) {
-    r.push_back("dropout: expected a probability in [0, 1), got " + std::to_string(c.dropout));
+    r.push_back("dropout: expected a probability in [0, 1), got " + detail::num(c.dropout));
   }
   if (c.position > Position::relative_bias) {
     r.push_back("position: unknown value " + to_string(static_cast<int>(c.position)));
+  } else if (c.position == Position::rope) {
+    // Checked here rather than by the first forward or backward: a backward
+    // finds out only after it has added to some gradients.
+    const bool heads_ok = c.embed_dim >= 1 && c.num_heads >= 1 && c.embed_dim % c.num_heads == 0;
+    qkv::detail::check_rope(c.rope, heads_ok ? c.embed_dim / c.num_heads : -1, "Dh", r);
   }
-  if (!is_floating(c.dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(c.dtype)));
-  }
-  if (!r.empty()) throw Error(r);
+  detail::check_floating("dtype", c.dtype, r);
+  detail::throw_if(r);
   return c;
 }
 
@@ -220,17 +223,21 @@ namespace {
 struct Call {
   std::int64_t batch = 0, nq = 0, nk = 0;
   DType ct = DType::f32;
+  bool known = false;  // query, key and value have readable sizes
 };
 
 bool has_sizes(ConstTensorView t, std::initializer_list<std::int64_t> sizes) {
   return std::equal(t.size_span().begin(), t.size_span().end(), sizes.begin(), sizes.end());
 }
 
-void check_mask_dtype(const char* name, ConstTensorView m, Reasons& r) {
+// A mask of the options: bool or floating, addressable. Returns whether its
+// sizes may be read.
+bool check_mask(const char* name, ConstTensorView m, const detail::ViewSpec& spec, Reasons& r) {
   if (m.dtype() != DType::boolean && !is_floating(m.dtype())) {
     r.push_back(std::string(name) + ": expected bool or a floating dtype, got " +
-                std::string(dtype_name(m.dtype())));
+                detail::str(m.dtype()));
   }
+  return detail::check_view(name, m, spec, r);
 }
 
 Call check_call(const MultiHeadAttentionConfig& c, ConstTensorView query, ConstTensorView key,
@@ -240,43 +247,43 @@ Call check_call(const MultiHeadAttentionConfig& c, ConstTensorView query, ConstT
                   detail::check_input("value", value, 3, "[B, Nk, vdim]", r);
   Call call;
   if (!ok) return call;
+  call.known = true;
   call.batch = query.size(0);
   call.nq = query.size(1);
   call.nk = key.size(1);
   call.ct = detail::compute_dtype(query.dtype());
-  if (key.dtype() != query.dtype() || value.dtype() != query.dtype()) {
-    r.push_back("key, value: expected query's dtype " + std::string(dtype_name(query.dtype())) +
-                ", got " + std::string(dtype_name(key.dtype())) + " and " +
-                std::string(dtype_name(value.dtype())));
+  // Only between floating dtypes: check_input has named any other, and
+  // asking key and value to match a query that is not floating would
+  // suggest the wrong fix.
+  if (is_floating(query.dtype()) && is_floating(key.dtype()) && is_floating(value.dtype()) &&
+      (key.dtype() != query.dtype() || value.dtype() != query.dtype())) {
+    r.push_back("key, value: expected query's dtype " + detail::str(query.dtype()) + ", got " +
+                detail::str(key.dtype()) + " and " + detail::str(value.dtype()));
   }
-  if (query.size(2) != c.embed_dim) {
-    r.push_back("query: expected [B, Nq, E = " + to_string(c.embed_dim) + "], got " +
-                shape_string(query.size_span()));
-  }
-  if (!has_sizes(key, {call.batch, call.nk, c.kdim})) {
-    r.push_back("key: expected [B = " + to_string(call.batch) +
-                ", Nk, kdim = " + to_string(c.kdim) + "], got " + shape_string(key.size_span()));
-  }
-  if (!has_sizes(value, {call.batch, call.nk, c.vdim})) {
-    r.push_back("value: expected [B = " + to_string(call.batch) + ", Nk = " + to_string(call.nk) +
-                ", vdim = " + to_string(c.vdim) + "], got " + shape_string(value.size_span()));
-  }
+  const std::string qb = "query's batch " + to_string(call.batch);
+  detail::check_dim("query", query, 2, "embed dim E", c.embed_dim, "the module's embed_dim", r);
+  detail::check_dim("key", key, 0, "batch size", call.batch, qb, r);
+  detail::check_dim("key", key, 2, "features", c.kdim, "the module's kdim", r);
+  detail::check_dim("value", value, 0, "batch size", call.batch, qb, r);
+  detail::check_dim("value", value, 1, "sequence length Nk", call.nk, "key's " + to_string(call.nk),
+                    r);
+  detail::check_dim("value", value, 2, "features", c.vdim, "the module's vdim", r);
   if (o.key_padding_mask.defined()) {
-    check_mask_dtype("key_padding_mask", o.key_padding_mask, r);
-    if (!has_sizes(o.key_padding_mask, {call.batch, call.nk})) {
-      r.push_back("key_padding_mask: expected [B, Nk] = " +
-                  shape_string(std::vector<std::int64_t>{call.batch, call.nk}) + ", got " +
-                  shape_string(o.key_padding_mask.size_span()));
-    }
+    const std::int64_t sizes[] = {call.batch, call.nk};
+    check_mask("key_padding_mask", o.key_padding_mask, {.sizes = sizes, .layout = "[B, Nk]"}, r);
   }
-  if (o.attn_mask.defined()) {
-    check_mask_dtype("attn_mask", o.attn_mask, r);
-    if (!has_sizes(o.attn_mask, {call.nq, call.nk}) &&
-        !has_sizes(o.attn_mask, {call.batch * c.num_heads, call.nq, call.nk})) {
-      r.push_back("attn_mask: expected [Nq, Nk] = " +
-                  shape_string(std::vector<std::int64_t>{call.nq, call.nk}) +
-                  " or [B * H, Nq, Nk]" + ", got " + shape_string(o.attn_mask.size_span()));
-    }
+  // B * H overflows only for an empty query ([B, 0, E]), which no mask of
+  // B * H rows could match.
+  std::int64_t bh = 0;
+  const bool bh_fits = qkv::detail::checked_product({call.batch, c.num_heads}, bh);
+  if (o.attn_mask.defined() && check_mask("attn_mask", o.attn_mask, {}, r) &&
+      !has_sizes(o.attn_mask, {call.nq, call.nk}) &&
+      !(bh_fits && has_sizes(o.attn_mask, {bh, call.nq, call.nk}))) {
+    r.push_back("attn_mask: expected [Nq, Nk] = " +
+                shape_string(std::vector<std::int64_t>{call.nq, call.nk}) +
+                " or [B * H, Nq, Nk] = [" + to_string(call.batch) + " * " + to_string(c.num_heads) +
+                ", " + to_string(call.nq) + ", " + to_string(call.nk) + "], got " +
+                detail::shape_of(o.attn_mask));
   }
   return call;
 }
@@ -366,11 +373,19 @@ AttentionOptions attention_options(const MultiHeadAttention& m, std::span<const 
   return a;
 }
 
-// Reasons the input projection parameters no longer have the module's
-// shapes (they are public members; out_proj checks its own).
+// Reasons the parameters no longer have the module's shapes (they are
+// public members), all checked before anything is computed: out_proj and
+// relative_bias would otherwise find out only after a backward had added to
+// the other gradients.
 void check_projections(const MultiHeadAttention& m, Reasons& r) {
   const MultiHeadAttentionConfig& c = m.config();
   const std::int64_t e = c.embed_dim, kv = c.num_kv_heads * m.head_dim();
+  detail::check_parameter("out_proj.weight", m.out_proj.weight, {e, e}, r);
+  if (m.out_proj.bias.defined()) detail::check_parameter("out_proj.bias", m.out_proj.bias, {e}, r);
+  if (m.relative_bias) {
+    detail::check_parameter("relative_attention_bias.weight", m.relative_bias->weight,
+                            {c.num_buckets, c.num_heads}, r);
+  }
   if (m.in_proj_weight.defined()) {
     detail::check_parameter("in_proj_weight", m.in_proj_weight, {e + 2 * kv, e}, r);
   } else {
@@ -391,7 +406,7 @@ MultiHeadAttentionResult MultiHeadAttention::forward(ConstTensorView query, Cons
   Reasons r;
   const Call c = check_call(config_, query, key, value, o, r);
   check_projections(*this, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
   const DType ct = c.ct;
   const std::int64_t e = config_.embed_dim, h = config_.num_heads, hkv = config_.num_kv_heads;
   const std::int64_t dh = head_dim_;
@@ -450,20 +465,23 @@ MultiHeadAttentionGradients MultiHeadAttention::backward(ConstTensorView query, 
   const Call c = check_call(config_, query, key, value, o, r);
   const std::int64_t e = config_.embed_dim, h = config_.num_heads, hkv = config_.num_kv_heads;
   const std::int64_t dh = head_dim_;
-  if (detail::check_input("dout", dout, 3, "[B, Nq, E]", r) &&
-      !has_sizes(dout, {c.batch, c.nq, e})) {
-    r.push_back(
-        "dout: expected [B, Nq, E] = " + shape_string(std::vector<std::int64_t>{c.batch, c.nq, e}) +
-        ", got " + shape_string(dout.size_span()));
-  }
+  const std::int64_t dout_sizes[] = {c.batch, c.nq, e};
+  detail::check_view("dout", dout,
+                     {.rank = 3,
+                      .sizes = c.known ? std::span<const std::int64_t>(dout_sizes)
+                                       : std::span<const std::int64_t>(),
+                      .layout = "[B, Nq, E]",
+                      .floating = true},
+                     r);
   const DType ct = c.ct;
   const auto saved_ok = [&](const char* name, const Tensor& t,
                             std::initializer_list<std::int64_t> sizes) {
     if (!t.defined() || t.dtype() != ct || !has_sizes(t, sizes)) {
-      r.push_back(std::string("saved.") + name + ": expected " +
-                  shape_string(std::vector<std::int64_t>(sizes)) + " in " +
-                  std::string(dtype_name(ct)) +
-                  " from forward with save_for_backward and the same inputs");
+      r.push_back(
+          std::string("saved.") + name + ": expected " +
+          shape_string(std::vector<std::int64_t>(sizes)) + " in " + detail::str(ct) +
+          " from forward with save_for_backward and the same inputs, got " +
+          (t.defined() ? detail::str(t.dtype()) + " " + detail::shape_of(t) : std::string("none")));
     }
   };
   if (r.empty()) {
@@ -474,8 +492,9 @@ MultiHeadAttentionGradients MultiHeadAttention::backward(ConstTensorView query, 
     saved_ok("lse", saved.lse, {c.batch, h, c.nq});
   }
   check_projections(*this, r);
-  if (!r.empty()) throw Error(r);
-  // Every gradient buffer first: a dtype clash throws before any is changed.
+  detail::check_grads(named_parameters(), ct, r);
+  detail::throw_if(r);
+  // Every gradient buffer first (check_grads has ruled out a dtype clash).
   for (const NamedParameter& p : named_parameters()) detail::grad_of(*p.parameter, ct);
 
   // Output projection: dA = dout Wo, and Wo's gradients.
@@ -571,7 +590,7 @@ Tensor MultiHeadAttention::forward_step(ConstTensorView x_new, KvCache& cache) c
     r.push_back("forward_step: Position::relative_bias is not supported with a KV cache");
   }
   check_projections(*this, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const std::int64_t b = x_new.size(0), n = x_new.size(1);
   const DType ct = detail::compute_dtype(x_new.dtype());

@@ -14,14 +14,8 @@ namespace qkv::nn {
 
 namespace {
 
-using Reasons = std::vector<std::string>;
+using detail::Reasons;
 using std::to_string;
-
-void check_dtype(DType dtype, Reasons& r) {
-  if (!is_floating(dtype)) {
-    r.push_back("dtype: expected f32, f64, bf16 or f16, got " + std::string(dtype_name(dtype)));
-  }
-}
 
 // v as a contiguous tensor of `dtype` that the caller may modify.
 Tensor contiguous_copy(ConstTensorView v, DType dtype) {
@@ -70,8 +64,8 @@ LearnedPositionalEmbedding::LearnedPositionalEmbedding(std::int64_t max_position
     r.push_back("max_positions: expected >= 1, got " + to_string(max_positions));
   }
   if (dim < 1) r.push_back("dim: expected >= 1, got " + to_string(dim));
-  check_dtype(dtype, r);
-  if (!r.empty()) throw Error(r);
+  detail::check_floating("dtype", dtype, r);
+  detail::throw_if(r);
   weight = make_parameter(dtype, {max_positions_, dim_});
 }
 
@@ -79,7 +73,7 @@ Tensor LearnedPositionalEmbedding::forward(ConstTensorView x, std::int64_t start
   Reasons r;
   if (check_sequence("x", x, dim_, r)) check_start(start, x.size(1), max_positions_, r);
   detail::check_parameter("weight", weight, {max_positions_, dim_}, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
   const std::int64_t n = x.size(1);
@@ -102,7 +96,8 @@ Tensor LearnedPositionalEmbedding::backward(ConstTensorView x, ConstTensorView d
                 shape_string(dy.size_span()));
   }
   detail::check_parameter("weight", weight, {max_positions_, dim_}, r);
-  if (!r.empty()) throw Error(r);
+  if (x_ok) detail::check_grads(named_parameters(), detail::compute_dtype(x.dtype()), r);
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
   const std::int64_t n = x.size(1);
@@ -143,8 +138,8 @@ RelativePositionBias::RelativePositionBias(std::int64_t num_heads, std::int64_t 
                   to_string(max_distance));
     }
   }
-  check_dtype(dtype, r);
-  if (!r.empty()) throw Error(r);
+  detail::check_floating("dtype", dtype, r);
+  detail::throw_if(r);
   weight = make_parameter(dtype, {buckets_, heads_});
 }
 
@@ -160,7 +155,10 @@ void RelativePositionBias::backward(ConstTensorView d_table) {
                 to_string(buckets_) + "], got " + shape_string(d_table.size_span()));
   }
   detail::check_parameter("relative_attention_bias.weight", weight, {buckets_, heads_}, r);
-  if (!r.empty()) throw Error(r);
+  if (d_table.defined()) {
+    detail::check_grads(named_parameters(), detail::compute_dtype(d_table.dtype()), r);
+  }
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(d_table.dtype());
   void* grad = detail::grad_of(weight, ct).view().data();
@@ -178,11 +176,18 @@ Tensor RelativePositionBias::bias(std::int64_t nq, std::int64_t nk) const {
   Reasons r;
   if (nq < 0) r.push_back("nq: expected >= 0, got " + to_string(nq));
   if (nk < 0) r.push_back("nk: expected >= 0, got " + to_string(nk));
+  std::int64_t elements = 0;
+  if (r.empty() && !qkv::detail::checked_product({heads_, nq, nk}, elements)) {
+    r.push_back("nq, nk: the bias [H, nq, nk] = [" + to_string(heads_) + ", " + to_string(nq) +
+                ", " + to_string(nk) + "] has more than 2^63 - 1 elements");
+  }
   detail::check_parameter("relative_attention_bias.weight", weight, {buckets_, heads_}, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const ConstTensorView w = weight.value;
   Tensor out(w.dtype(), {heads_, nq, nk});
+  // An empty bias (nk = 0 with nq up to 2^63 - 1) has no rows to visit.
+  if (elements == 0) return out;
   void* o = out.view().data();
   for (std::int64_t i = 0; i < nq; ++i) {
     for (std::int64_t j = 0; j < nk; ++j) {

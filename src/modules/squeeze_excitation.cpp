@@ -16,14 +16,14 @@ namespace qkv::nn {
 
 std::int64_t make_divisible(double value, std::int64_t divisor, std::int64_t min_value,
                             double round_limit) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   if (divisor < 1) r.push_back("divisor: expected >= 1, got " + std::to_string(divisor));
   // Bounded so that the integer arithmetic below cannot overflow.
   if (!(std::fabs(value) < 0x1p52)) {
     r.push_back("value: expected a finite number below 2^52 in magnitude, got " +
-                std::to_string(value));
+                detail::num(value));
   }
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
   if (min_value == 0) min_value = divisor;
   // Python's int() truncates toward zero and // rounds toward -infinity.
   const auto whole =
@@ -200,10 +200,10 @@ void se_backward(SqueezeExcitation& m, const FeatureMap& g, const T* x, const T*
 
 SqueezeExcitation::SqueezeExcitation(std::int64_t channels, const SqueezeExcitationOptions& options)
     : channels_(channels) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   rd_ = detail::reduced_channels(channels, options.rd_ratio, options.rd_divisor,
                                  options.rd_channels, options.dtype, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
   fc1_weight = make_parameter(options.dtype, {rd_, channels_, 1, 1});
   fc2_weight = make_parameter(options.dtype, {channels_, rd_, 1, 1});
   if (options.bias) {
@@ -215,7 +215,7 @@ SqueezeExcitation::SqueezeExcitation(std::int64_t channels, const SqueezeExcitat
 namespace {
 
 // Reasons the public parameters no longer have this module's shapes.
-void check_se_parameters(const SqueezeExcitation& m, std::vector<std::string>& r) {
+void check_se_parameters(const SqueezeExcitation& m, detail::Reasons& r) {
   const std::int64_t c = m.channels(), rd = m.rd_channels();
   detail::check_parameter("fc1.weight", m.fc1_weight, {rd, c, 1, 1}, r);
   detail::check_parameter("fc2.weight", m.fc2_weight, {c, rd, 1, 1}, r);
@@ -228,10 +228,10 @@ void check_se_parameters(const SqueezeExcitation& m, std::vector<std::string>& r
 }  // namespace
 
 Tensor SqueezeExcitation::forward(ConstTensorView x, ImageLayout layout) const {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   check_se_parameters(*this, r);
-  if (!r.empty()) throw Error(r);
+  detail::throw_if(r);
 
   const DType ct = detail::compute_dtype(x.dtype());
   const detail::Dense xs = detail::dense(x, ct);
@@ -245,13 +245,14 @@ Tensor SqueezeExcitation::forward(ConstTensorView x, ImageLayout layout) const {
 }
 
 Tensor SqueezeExcitation::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout) {
-  std::vector<std::string> r;
+  detail::Reasons r;
   const FeatureMap g = detail::feature_map("x", x, channels_, layout, r);
   detail::check_same_sizes(x, dy, r);
   check_se_parameters(*this, r);
-  if (!r.empty()) throw Error(r);
-
   const DType ct = detail::compute_dtype(x.dtype());
+  if (x.defined()) detail::check_grads(named_parameters(), ct, r);
+  detail::throw_if(r);
+
   const detail::Dense xs = detail::dense(x, ct);
   const detail::Dense dys = detail::dense(dy, ct);
   Tensor dx(ct, x.size_span());
