@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine and runs every test: the optimized build, then the
-# whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer, then
+# each libFuzzer target of tests/fuzz for QKV_FUZZ_SECONDS (default 25 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,3 +13,6 @@ for preset in release asan; do
   cmake --build --preset "$preset" -j "$jobs"
   ctest --preset "$preset" -j "$jobs"
 done
+
+echo "== fuzz: every target for ${QKV_FUZZ_SECONDS:-25} s"
+scripts/fuzz.sh "${QKV_FUZZ_SECONDS:-25}"

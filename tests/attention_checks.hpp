@@ -8,7 +8,8 @@
 // for dq and dk the cancellation in dS = P (dP - D): dP_ij = <dout_i, v_j>
 // and D_i = <dout_i, out_i> are sums of Dv products computed in a different
 // order by every implementation, so each dS_ij carries an error up to about
-// 2 Dv u |P_ij| max|dout| max|v| (r = 1 / (1 - p) more with dropout) even
+// (2 u + u_out) Dv |P_ij| max|dout| max|v| (r = 1 / (1 - p) more with
+// dropout; u_out of the dtype `out` was rounded to, as D_i uses it) even
 // where the exact dS is 0 (a row seeing a single key); through
 // dq_i = scale sum_j dS_ij k_j (sum_j P_ij = 1) and dk_j = scale sum_i dS_ij
 // q_i this bounds their error by that times scale max|k| (dq) or
@@ -185,8 +186,11 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
           for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
         key_mass = std::max(key_mass, mass);
       }
-  const double ds_error = 2.0 * static_cast<double>(problem.dv) * unit_roundoff(DType::f32) *
-                          max_abs(dout) * max_abs(v) / (1.0 - opt.dropout_p);
+  // Two f32 dot products of length Dv, and D_i formed from `out` as the
+  // forward rounded it to the input dtype (u of f16 for f16 inputs).
+  const double ds_error = (2.0 * unit_roundoff(DType::f32) + unit_roundoff(dtype)) *
+                          static_cast<double>(problem.dv) * max_abs(dout) * max_abs(v) /
+                          (1.0 - opt.dropout_p);
   const double dq_cancel = ds_error * std::fabs(problem.scale) * max_abs(k);
   const double dk_cancel = ds_error * std::fabs(problem.scale) * max_abs(q) * key_mass;
 

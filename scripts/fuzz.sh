@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets of tests/fuzz (the `fuzz` preset: clang,
+# ASan + UBSan) and runs each for SECONDS seconds, starting from its seed
+# corpus tests/fuzz/corpus/<target>. Prints each target's executions; exits
+# non-zero at the first finding (crash, sanitizer report, failed check,
+# leak, out-of-memory or timeout), whose input lands in
+# build/fuzz/artifacts/<target>/ (replay: build/fuzz/tests/fuzz/<target> FILE).
+#
+#   scripts/fuzz.sh SECONDS [TARGET...]     default: every target
+#
+# New inputs that reach new code accumulate in build/fuzz/corpus/<target>,
+# so later runs continue where earlier ones stopped; the repository's seeds
+# are never written. docs/reliability.md has the long-run commands.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
+  echo "usage: scripts/fuzz.sh SECONDS [TARGET...]" >&2
+  exit 2
+fi
+seconds=$1
+shift
+all=(fuzz_attention fuzz_backward fuzz_decode fuzz_linear fuzz_modules fuzz_safetensors)
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then targets=("${all[@]}"); fi
+for t in "${targets[@]}"; do
+  if [[ ! " ${all[*]} " =~ " $t " ]]; then
+    echo "fuzz.sh: unknown target '$t' (expected one of: ${all[*]})" >&2
+    exit 2
+  fi
+done
+
+# One build at a time when several runs start together (one per core).
+mkdir -p build
+(
+  flock 9
+  cmake --preset fuzz >/dev/null
+  cmake --build --preset fuzz -j "$(nproc)" --target "${targets[@]}"
+) 9>build/fuzz.lock
+
+# allocator_may_return_null: an absurd allocation is the library's
+# qkv::Error to raise, not ASan's report. The libFuzzer limits make a leak,
+# a run over 60 s or 4 GiB of memory a finding.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-allocator_may_return_null=1:detect_leaks=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+status=0
+for t in "${targets[@]}"; do
+  corpus=build/fuzz/corpus/$t
+  artifacts=build/fuzz/artifacts/$t
+  log=build/fuzz/$t.log
+  mkdir -p "$corpus" "$artifacts"
+  seeds=tests/fuzz/corpus/$t
+  echo "== $t: ${seconds} s"
+  if build/fuzz/tests/fuzz/"$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
+      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+      "$corpus" "$seeds" >"$log" 2>&1; then
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+    echo "   clean: $execs executions ($log)"
+  else
+    echo "   FINDING (log: $log):"
+    grep -E "FINDING|ERROR|SUMMARY|runtime error" "$log" | head -5 | sed 's/^/   /'
+    status=1
+    break
+  fi
+done
+exit $status

@@ -1,0 +1,263 @@
+// Fuzzes qkv::attention_backward and attention_backward_into: a fuzzed
+// forward (every differentiable option of AttentionOptions, any dtype and
+// layout) gives out and lse, then the backward runs with a fuzzed dout,
+// strided gradient views, and sometimes bad input (missing, extra, aliasing
+// or malformed gradient views, wrong dout or lse).
+//
+// Checks: only qkv::Error escapes; a rejected call leaves every gradient view
+// bitwise unchanged and a call that must be rejected is; inputs are never
+// written, nor gradient memory outside the views; finite inputs give finite
+// gradients (every element written: the views start as NaN sentinels); on
+// small problems the fast backward meets the tolerance policy
+// (attention_checks.hpp) and equals, bitwise, the allocating call on another
+// thread count; the reference backward from the forward's f32 lse stays
+// within rounding of the reference in double.
+#include "fuzz_common.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::AttentionResult;
+using qkv::ConstTensorView;
+using qkv::DType;
+using qkv::Tensor;
+using qkv::fuzz::Arg;
+using qkv::fuzz::AttentionCase;
+using qkv::fuzz::finding;
+using qkv::fuzz::Input;
+using qkv::fuzz::require;
+
+// The gradient views of an _into call, each an Arg (sentinel-filled).
+struct Grads {
+  Arg dq, dk, dv, d_table, d_wq, d_wk, d_v, d_bias;
+  std::vector<Arg*> all() { return {&dq, &dk, &dv, &d_table, &d_wq, &d_wk, &d_v, &d_bias}; }
+  qkv::GradientOutputs views() const {
+    return {dq.view, dk.view, dv.view, d_table.view, d_wq.view, d_wk.view, d_v.view, d_bias.view};
+  }
+};
+
+Grads make_grads(Input& in, AttentionCase& c) {
+  const DType stat = c.dtype == DType::f64 ? DType::f64 : DType::f32;
+  Grads g;
+  g.dq = qkv::fuzz::make_output(in, {c.batch, c.nq, c.hq, c.dq}, c.dtype);
+  g.dk = qkv::fuzz::make_output(in, {c.batch, c.nk, c.hkv, c.dk}, c.dtype);
+  g.dv = qkv::fuzz::make_output(in, {c.batch, c.nk, c.hkv, c.dv}, c.dtype);
+  if (c.table.view.defined()) {
+    g.d_table = qkv::fuzz::make_output(in, {c.hq, c.table.view.size(1)}, stat);
+  }
+  if (c.opt.score == qkv::Score::additive && c.w_q.view.defined() && c.w_k.view.defined()) {
+    const std::int64_t a = c.w_q.view.size(0);
+    g.d_wq = qkv::fuzz::make_output(in, {a, c.dq}, stat);
+    g.d_wk = qkv::fuzz::make_output(in, {a, c.dk}, stat);
+    g.d_v = qkv::fuzz::make_output(in, {a}, stat);
+    if (c.add_bias.view.defined()) g.d_bias = qkv::fuzz::make_output(in, {a}, stat);
+  }
+  if (!in.one_in(8)) return g;
+  Arg& victim = *g.all()[static_cast<std::size_t>(in.range(0, 7))];
+  switch (in.range(0, 2)) {
+    case 0:
+      if (victim.view.defined()) {
+        // Missing where required.
+        victim = Arg();
+        c.reject("a required gradient view missing");
+      } else {
+        // Given where the options have no such parameter.
+        victim = qkv::fuzz::make_output(in, {2}, stat);
+        c.reject("a gradient view the options do not use");
+      }
+      break;
+    case 1: {
+      const Arg* const inputs[] = {&c.q, &c.k, &c.v, &g.dq};
+      qkv::fuzz::alias_into(victim, *inputs[in.range(0, 3)]);
+      if (victim.aliased) c.reject("a gradient view aliasing an input or another gradient");
+      break;
+    }
+    default: {
+      const bool empty = victim.view.numel() == 0;
+      const qkv::fuzz::BadView bad = qkv::fuzz::bad_view(in);
+      const bool defined = victim.view.defined();
+      qkv::fuzz::make_bad(in, victim, bad);
+      if (defined && (bad == qkv::fuzz::BadView::overflow || victim.aliased ||
+                      bad == qkv::fuzz::BadView::undefined ||
+                      (bad == qkv::fuzz::BadView::null_data && !empty))) {
+        c.reject("a bad gradient view");
+      }
+      break;
+    }
+  }
+  return g;
+}
+
+// A copy of a forward result in a fuzzed (non-overlapping) layout.
+Arg relayout(Input& in, ConstTensorView t) {
+  Arg a = qkv::fuzz::make_output(in, t.size_span(), t.dtype());
+  qkv::copy(t, a.view);
+  return a;
+}
+
+// Whether the backward ran the fused kernel (automatic runs the reference
+// for f64 and for additive scores).
+bool runs_fast(const AttentionCase& c) {
+  return c.opt.backend == qkv::Backend::fast ||
+         (c.opt.backend == qkv::Backend::automatic && c.dtype != DType::f64 &&
+          c.opt.score != qkv::Score::additive);
+}
+
+// Gradients of 16-bit formats overflow legitimately when the inputs are
+// large: every bound below must stay inside the format.
+bool gradients_bounded(const AttentionCase& c, double dout_magnitude) {
+  if (c.dtype == DType::f32 || c.dtype == DType::f64) return true;
+  const double scale = std::max(1.0, std::fabs(c.opt.scale.value_or(1.0)));
+  const double bound = scale * static_cast<double>(c.nq + c.nk + 1) * 2.0 *
+                       static_cast<double>(c.dv + 1) * dout_magnitude * c.v_magnitude *
+                       std::max(1.0, c.qk_magnitude) / (1.0 - c.opt.dropout_p) *
+                       (c.opt.score == qkv::Score::additive ? 1e3 : 1.0);
+  return bound < (c.dtype == DType::f16 ? 3e4 : 1e30);
+}
+
+// The reference backward is fed the forward's lse rounded to f32; it
+// accumulates in double and rounds once, so its gradients stay within
+// rounding of the reference computed in double throughout.
+void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
+                              const qkv::AttentionGradients& g) {
+  AttentionOptions o = c.opt;
+  o.backend = qkv::Backend::reference;
+  o.return_lse = true;
+  const Tensor q = qkv::test::f64(c.q.cview()), k = qkv::test::f64(c.k.cview()),
+               v = qkv::test::f64(c.v.cview());
+  const AttentionResult fwd = qkv::attention(q, k, v, o);
+  const qkv::AttentionGradients ref =
+      qkv::attention_backward(q, k, v, fwd.out, qkv::test::f64(dout), fwd.lse, o);
+  // Rounding of the result, plus the double computation's own cancellation.
+  double floor = std::ldexp(1.0, -40) * (1.0 + qkv::test::max_abs(dout)) * (1.0 + c.v_magnitude) *
+                 (1.0 + c.qk_magnitude) * static_cast<double>(c.nq + c.nk + c.dv + 1);
+  // The call is fed `out` rounded to the dtype, so D_i = <dout_i, out_i>
+  // carries up to u Dv max|dout| max|v| (|out| <= max|v|); every dS_ij =
+  // P_ij (dP_ij - D_i) of the row inherits it, and dq, dk take it through the
+  // score's partial derivatives: scale |k| or scale |q| for dot products,
+  // sum_a |v_a| |W| (tanh' <= 1) for the additive score, summed over a
+  // column's probability mass (at most Nq) for dk.
+  const double d_error = qkv::test::unit_roundoff(c.dtype) * static_cast<double>(c.dv) *
+                         qkv::test::max_abs(dout) * c.v_magnitude;
+  const double scale = std::fabs(c.opt.scale.value_or(
+      c.opt.score == qkv::Score::scaled_dot && c.dk > 0 ? 1.0 / std::sqrt(static_cast<double>(c.dk))
+                                                        : 1.0));
+  const double partials =
+      c.opt.score == qkv::Score::additive
+          ? static_cast<double>(c.add_v.view.numel()) * qkv::test::max_abs(c.add_v.cview()) *
+                std::max(qkv::test::max_abs(c.w_q.cview()), qkv::test::max_abs(c.w_k.cview()))
+          : scale * c.qk_magnitude;
+  floor += d_error * partials * static_cast<double>(c.nq + 1);
+  const auto check = [&](const char* name, const Tensor& got, const Tensor& want) {
+    const double err = qkv::test::max_abs_diff(got, want);
+    const double bound = 2.0 * qkv::test::unit_roundoff(c.dtype) * qkv::test::max_abs(want) + floor;
+    require(err <= bound, std::string("reference backward ") + name + " is " + std::to_string(err) +
+                              " from the reference in double (bound " + std::to_string(bound) +
+                              "; rebuilt from an f32 lse?): " + c.text);
+  };
+  check("dq", g.dq, ref.dq);
+  check("dk", g.dk, ref.dk);
+  check("dv", g.dv, ref.dv);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  Input in(data, size);
+  qkv::fuzz::fuzz_threads(in);
+  AttentionCase c;
+  qkv::fuzz::fuzz_case(in, c, true);
+  AttentionOptions fwd_opt = c.opt;
+  fwd_opt.return_lse = true;
+  AttentionResult fwd;
+  const bool forward_ok = qkv::fuzz::accepted(
+      "attention (forward)", [&] { fwd = qkv::attention(c.q, c.k, c.v, fwd_opt); });
+  if (!forward_ok) {
+    // The backward validates on its own: give it stand-ins of the right
+    // shapes when they are cheap to make.
+    if (!qkv::fuzz::small_enough({c.batch, c.nq, c.hq, c.dv}, 1 << 16) || c.batch < 0 || c.nq < 0 ||
+        c.hq < 0 || c.dv < 0 || !qkv::is_floating(c.dtype)) {
+      return 0;
+    }
+    fwd.out = Tensor(c.dtype, {c.batch, c.nq, c.hq, c.dv});
+    fwd.lse = Tensor(c.dtype == DType::f64 ? DType::f64 : DType::f32, {c.batch, c.hq, c.nq});
+  }
+  Arg out = relayout(in, fwd.out);
+  Arg lse = relayout(in, fwd.lse);
+  qkv::fuzz::Values vd = qkv::fuzz::values(in, true, 30.0);
+  Arg dout = qkv::fuzz::make_input(in, fwd.out.view().size_span(), c.dtype, vd);
+  if (in.one_in(16)) {
+    Arg* const extras[] = {&out, &dout, &lse};
+    Arg& victim = *extras[in.range(0, 2)];
+    const bool empty = victim.view.numel() == 0;
+    const qkv::fuzz::BadView bad = qkv::fuzz::bad_view(in);
+    qkv::fuzz::make_bad(in, victim, bad);
+    if (bad == qkv::fuzz::BadView::overflow || bad == qkv::fuzz::BadView::undefined ||
+        (bad == qkv::fuzz::BadView::null_data && !empty)) {
+      c.reject("a bad out, dout or lse view");
+    }
+  }
+  const bool into = in.coin();
+  Grads g;
+  if (into) g = make_grads(in, c);
+
+  qkv::fuzz::Snapshot inputs;
+  for (const Arg* a : c.inputs()) inputs.add(*a);
+  for (const Arg* a : {&out, &lse, &dout}) inputs.add(*a);
+  qkv::fuzz::Snapshot outputs;
+  for (const Arg* a : g.all()) outputs.add(*a);
+
+  qkv::AttentionGradients r;
+  const bool ok = qkv::fuzz::accepted("attention_backward", [&] {
+    if (into) {
+      qkv::attention_backward_into(c.q, c.k, c.v, out, dout, lse, g.views(), c.opt);
+    } else {
+      r = qkv::attention_backward(c.q, c.k, c.v, out, dout, lse, c.opt);
+    }
+  });
+  if (ok && !c.must_reject.empty()) {
+    finding("attention_backward accepted " + c.must_reject + ": " + c.text);
+  }
+  inputs.require_unchanged("attention_backward (inputs): " + c.text);
+  if (!ok) {
+    outputs.require_unchanged("attention_backward that threw qkv::Error (gradients): " + c.text);
+    return 0;
+  }
+  for (const Arg* a : g.all()) {
+    require(qkv::fuzz::gaps_untouched(*a),
+            "attention_backward wrote outside a gradient view: " + c.text);
+  }
+  if (into) {
+    // The checks below read the allocating overload's result type.
+    r.dq = qkv::to_dtype(g.dq.view, c.dtype);
+    r.dk = qkv::to_dtype(g.dk.view, c.dtype);
+    r.dv = qkv::to_dtype(g.dv.view, c.dtype);
+  }
+  const bool finite = forward_ok && c.finite_expected && c.inputs_finite() && dout.finite &&
+                      gradients_bounded(c, vd.magnitude);
+  if (finite) {
+    for (const Arg* a : g.all()) qkv::fuzz::require_finite(a->view, "gradient: " + c.text);
+    for (const Tensor* t : {&r.dq, &r.dk, &r.dv, &r.d_relative_bias, &r.d_additive_w_q,
+                            &r.d_additive_w_k, &r.d_additive_v, &r.d_additive_bias}) {
+      qkv::fuzz::require_finite(t->view(), "gradient: " + c.text);
+    }
+  }
+  const bool small = qkv::fuzz::small_enough({c.batch, c.hq, c.nq, c.nk, c.dq + c.dv}, 50000);
+  if (!finite || !small || !c.comparable) return 0;
+  if (runs_fast(c)) {
+    if (c.policy) qkv::test::expect_backward_matches(c.q, c.k, c.v, c.opt, c.text);
+    // The same call, allocating, on another thread count.
+    qkv::fuzz::fuzz_threads(in);
+    AttentionOptions o = c.opt;
+    o.backend = qkv::Backend::fast;
+    const qkv::AttentionGradients again = qkv::attention_backward(c.q, c.k, c.v, out, dout, lse, o);
+    require(qkv::fuzz::same_values(again.dq, r.dq) && qkv::fuzz::same_values(again.dk, r.dk) &&
+                qkv::fuzz::same_values(again.dv, r.dv),
+            "fast backward differs from the same call made allocating on another thread "
+            "count: " +
+                c.text);
+  } else if (c.dtype != DType::f64) {
+    check_reference_rounding(c, dout, r);
+  }
+  return 0;
+}
