@@ -1101,7 +1101,10 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
   // legitimate 1-3 ulp (scale folded into Q, online softmax) can exceed a
   // naive error that happened to be small. Outside that regime only the
   // policy's exact part is checked (non-finite exactly where the reference).
-  c.policy = policy_meaningful(c);
+  // ... and it is a rule for random data: on structured values (ties, small
+  // integers, mostly zeros) the naive computation may round far less than
+  // usual and is no yardstick.
+  c.policy = policy_meaningful(c) && !c.q.structured && !c.k.structured && !c.v.structured;
 }
 
 }  // namespace qkv::fuzz
