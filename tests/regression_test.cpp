@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -417,6 +418,26 @@ TEST(Regression, OutOfRangeImageLayoutIsAnError) {
               se.forward(x, static_cast<qkv::nn::ImageLayout>(7));
             }).find("layout: expected ImageLayout::nchw or ImageLayout::nhwc, got value 7"),
             std::string::npos);
+}
+
+// Found by fuzz_linear (UBSan): with a custom map, D = 0 is valid, and q and
+// k are then empty views that may have null data; the causal kernel's row
+// prefetch offset their null pointers.
+TEST(Regression, CustomMapOverEmptyRowsMatchesTheReference) {
+  qkv::LinearAttentionOptions o;
+  o.causal = true;
+  o.feature_map = qkv::FeatureMap::custom;
+  o.custom.features = 1;
+  o.custom.map = [](std::span<const double>, std::span<double> phi) { phi[0] = 1.0; };
+  const ConstTensorView q(nullptr, DType::f32, {2, 50, 2, 0}),
+      k(nullptr, DType::f32, {2, 50, 2, 0});
+  const Tensor v = random_tensor(DType::f32, {2, 50, 2, 3}, 11);
+  o.backend = Backend::fast;
+  const Tensor fast = qkv::linear_attention(q, k, v, o).out;
+  o.backend = Backend::reference;
+  const Tensor ref = qkv::linear_attention(q, k, v, o).out;
+  // Every weight is 1: row i is the mean of v over keys 0..i.
+  EXPECT_LE(max_abs_diff(fast, ref), 1e-6);
 }
 
 // Defect 13: std::bad_alloc instead of qkv::Error.

@@ -11,7 +11,8 @@
 // Hq must be a multiple of Hkv; query head h reads KV head h / (Hq / Hkv)
 // (multi-head, grouped-query and multi-query attention). q, k and v share one
 // dtype: f32, bf16, f16, or f64 (reference backend only). phi maps a row of
-// D numbers to M features (M = D for the built-in maps); D and Dv are >= 1.
+// D numbers to M features (M = D for the built-in maps); Dv >= 1, and D >= 1
+// for the built-in maps (a custom map may take D = 0 and still give features).
 //
 // Per sequence b and query head h, with a_i = phi(q_i), b_j = phi(k_j):
 //   S_i = sum_{j in J(i)} b_j v_j^T       [M, Dv]

@@ -230,7 +230,7 @@ struct RowsAhead {
 // the sequence only).
 inline void PrefetchRow(ConstTensorView t, const RowsAhead& ahead, std::int64_t r) {
   const std::int64_t i = ahead.p0 + r;
-  if (ahead.p0 < 0 || i >= t.size(1) || t.stride(3) != 1) return;
+  if (ahead.p0 < 0 || i >= t.size(1) || t.stride(3) != 1 || t.data() == nullptr) return;
   const std::uint8_t* row = At(t, ahead.b, i, ahead.h);
   for (std::int64_t byte = 0; byte < t.size(3) * ElementBytes(t.dtype()); byte += 64) {
     hwy::Prefetch(row + byte);

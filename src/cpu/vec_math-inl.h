@@ -232,10 +232,12 @@ inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1)
 // Bytes per element of the activations' dtypes (f32, or 16-bit).
 inline std::int64_t ElementBytes(DType d) { return d == DType::f32 ? 4 : 2; }
 
-// Row (a, b, c) of a rank-4 view: the address of its first element.
+// Row (a, b, c) of a rank-4 view: the address of its first element. An
+// empty view may have null data (no row of it is read); its rows are null.
 inline const std::uint8_t* At(ConstTensorView t, std::int64_t a, std::int64_t b, std::int64_t c) {
-  return static_cast<const std::uint8_t*>(t.data()) +
-         (a * t.stride(0) + b * t.stride(1) + c * t.stride(2)) * ElementBytes(t.dtype());
+  const auto* base = static_cast<const std::uint8_t*>(t.data());
+  if (base == nullptr) return nullptr;
+  return base + (a * t.stride(0) + b * t.stride(1) + c * t.stride(2)) * ElementBytes(t.dtype());
 }
 
 // One row of n elements at element stride `stride`, as f32.

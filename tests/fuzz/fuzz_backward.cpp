@@ -136,7 +136,8 @@ void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
   // P_ij (dP_ij - D_i) of the row inherits it, and dq, dk take it through the
   // score's partial derivatives: scale |k| or scale |q| for dot products,
   // sum_a |v_a| |W| (tanh' <= 1) for the additive score, summed over a
-  // column's probability mass (at most Nq) for dk.
+  // column's probability mass (at most Nq per query head of the KV head's
+  // group) for dk.
   const double d_error = qkv::test::unit_roundoff(c.dtype) * static_cast<double>(c.dv) *
                          qkv::test::max_abs(dout) * c.v_magnitude;
   const double scale = std::fabs(c.opt.scale.value_or(
@@ -147,7 +148,7 @@ void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
           ? static_cast<double>(c.add_v.view.numel()) * qkv::test::max_abs(c.add_v.cview()) *
                 std::max(qkv::test::max_abs(c.w_q.cview()), qkv::test::max_abs(c.w_k.cview()))
           : scale * c.qk_magnitude;
-  floor += d_error * partials * static_cast<double>(c.nq + 1);
+  floor += d_error * partials * static_cast<double>((c.nq + 1) * (c.hq / c.hkv));
   const auto check = [&](const char* name, const Tensor& got, const Tensor& want) {
     const double err = qkv::test::max_abs_diff(got, want);
     const double bound = 2.0 * qkv::test::unit_roundoff(c.dtype) * qkv::test::max_abs(want) + floor;
