@@ -440,6 +440,22 @@ TEST(Regression, CustomMapOverEmptyRowsMatchesTheReference) {
   EXPECT_LE(max_abs_diff(fast, ref), 1e-6);
 }
 
+// Found by fuzz_linear (UBSan): the self-overlap check of an output view
+// multiplied stride by size in int64 before the memory check had rejected
+// an extent past int64.
+TEST(Regression, OutputExtentPastInt64IsAnErrorWithoutOverflow) {
+  const Tensor x = random_tensor(DType::f32, {3, 1, 1, 3}, 13);
+  Tensor storage(DType::f32, {16});
+  const TensorView out(storage.view().data(), DType::f32, {3, 1, 1, 3},
+                       {std::int64_t{1} << 62, 3, 3, 1});
+  EXPECT_NE(error_of([&] { qkv::linear_attention_into(x, x, x, out); }).find("out"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              qkv::attention_into(x, x, x, {out, {}, {}});
+            }).find("out"),
+            std::string::npos);
+}
+
 // Defect 13: std::bad_alloc instead of qkv::Error.
 TEST(Regression, AbsurdSizesAreErrorsNotBadAlloc) {
   const qkv::KvCache cache = small_cache();
