@@ -433,13 +433,23 @@ inline void alias_into(Arg& out, const Arg& input) {
   if (&out == &input) return;  // a view does not alias itself
   if (!input.storage || !out.view.defined() || input.view.dtype() != out.view.dtype()) return;
   if (out.view.numel() == 0 || input.view.numel() == 0) return;
+  // Byte ranges of views whose extent passes int64 (made bad on purpose) are
+  // not defined.
+  if (input.view.data() == nullptr || !detail::extent_fits(input.view) ||
+      !detail::extent_fits(out.view)) {
+    return;
+  }
   const std::size_t need = static_cast<std::size_t>(detail::byte_range(out.view).end -
                                                     detail::byte_range(out.view).begin);
   if (need > input.storage->bytes) return;
   const auto shift =
       reinterpret_cast<std::uintptr_t>(out.view.data()) - detail::byte_range(out.view).begin;
-  out.view = TensorView(input.storage->data.get() + shift, out.view.dtype(), out.view.size_span(),
-                        out.view.stride_span());
+  const TensorView moved(input.storage->data.get() + shift, out.view.dtype(), out.view.size_span(),
+                         out.view.stride_span());
+  // Only memory the input's view covers counts: an input that starts inside
+  // its buffer (or has gaps) may leave the moved view beside it.
+  if (!detail::byte_range(moved).overlaps(detail::byte_range(input.view))) return;
+  out.view = moved;
   out.storage = input.storage;
   out.aliased = true;
 }
