@@ -399,7 +399,6 @@ inline void CausalForwardChunk(const LinearPlan& plan, const LinearShape& s, std
   const float eps = static_cast<float>(o.eps);
   FeatureRows(plan, s, plan.k, b, hk, p0, n, next, w.keys.get(), nullptr, w);
   Transpose(w.keys.get(), n, s.m, s.m_pad, w.keys_t.get(), s.c_pad);
-  RunningSums(w.keys.get(), n, s.m_pad, z, w.prefix.get());
   LoadRows(plan.v, b, hk, p0, n, c0, cols, width, next, w.values.get());
   for (std::int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     const RowsAhead next_queries{next.b, next.h * p.group() + h - hk * p.group(), next.p0};
@@ -430,7 +429,8 @@ inline void CausalForwardChunk(const LinearPlan& plan, const LinearShape& s, std
   }
   Product<true>(w.keys_t.get(), s.c_pad, 1, s.m, w.values.get(), width, width, state, width,
                 All(n));
-  std::copy_n(w.prefix.get() + (n - 1) * s.m_pad, s.m_pad, z);
+  // z now moves past the chunk's keys (the rows above read it before).
+  for (std::int64_t t = 0; t < n; ++t) AddScaled(1.0f, w.keys.get() + t * s.m_pad, s.m_pad, z);
 }
 
 // The causal forward of one unit: the (sequence, KV head) pairs [g0, g0 +
@@ -500,8 +500,7 @@ inline KeySums SumKeys(const LinearPlan& plan, const LinearShape& s) {
       const RowsAhead next{b, hk, p0 + s.chunk};
       FeatureRows(plan, s, plan.k, b, hk, p0, n, next, w.keys.get(), nullptr, w);
       Transpose(w.keys.get(), n, s.m, s.m_pad, w.keys_t.get(), s.c_pad);
-      RunningSums(w.keys.get(), n, s.m_pad, z, w.prefix.get());
-      std::copy_n(w.prefix.get() + (n - 1) * s.m_pad, s.m_pad, z);
+      for (std::int64_t t = 0; t < n; ++t) AddScaled(1.0f, w.keys.get() + t * s.m_pad, s.m_pad, z);
       LoadRows(plan.v, b, hk, p0, n, 0, s.dv, s.dv_pad, next, w.values.get());
       Product<true>(w.keys_t.get(), s.c_pad, 1, s.m, w.values.get(), s.dv_pad, s.dv_pad, sum,
                     s.dv_pad, All(n));

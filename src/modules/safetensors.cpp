@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/checks.hpp"
 #include "core/elements.hpp"
 #include "core/validate.hpp"
 #include "qkv/error.hpp"
@@ -32,7 +33,8 @@ namespace {
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; a big-endian host would need byte swaps");
 
-using Reasons = std::vector<std::string>;
+using detail::Reasons;
+using detail::throw_if;
 using std::to_string;
 
 // safetensors' dtype names, in the reference writer's order: decreasing
@@ -259,7 +261,7 @@ Header read_header(std::ifstream& file, const std::string& path) {
     Entry e;
     if (parse_entry(where, name, info, buffer_size, e, r)) h.entries.push_back(std::move(e));
   }
-  if (!r.empty()) throw Error(r);
+  throw_if(r);
 
   // Sorted by offset, the byte ranges must tile the data buffer.
   std::vector<const Entry*> by_offset;
@@ -288,7 +290,7 @@ Header read_header(std::ifstream& file, const std::string& path) {
     r.push_back(where + "the tensors cover " + to_string(covered) + " bytes of the " +
                 to_string(buffer_size) + "-byte data buffer (trailing bytes)");
   }
-  if (!r.empty()) throw Error(r);
+  throw_if(r);
   return h;
 }
 
@@ -359,7 +361,7 @@ void save_safetensors(const std::string& path,
       order.emplace_back(name, view);
     }
   }
-  if (!r.empty()) throw Error(r);
+  throw_if(r);
   std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
     return write_rank(a.second.dtype()) < write_rank(b.second.dtype());
   });
@@ -437,7 +439,7 @@ void load_parameters(const NamedParameters& parameters, const TensorMap& tensors
       }
     }
   }
-  if (!r.empty()) throw Error(r);
+  throw_if(r);
   for (const NamedParameter& p : parameters) copy(tensors.at(p.name), p.parameter->value);
 }
 
