@@ -15,6 +15,12 @@
 // q_i this bounds their error by that times scale max|k| (dq) or
 // scale max|q| max_j sum_i P_ij (dk), and the relative-bias gradient, which
 // sums dS_ij over a bucket, by that times the largest bucket's sum of P_ij.
+//
+// Both checks also hold the fast path to the worst-case bounds of
+// error_bound.hpp, which no input may exceed. The statistical rule needs a
+// problem large and random enough for the naive error to be representative;
+// callers that draw problems by the hundred thousand (the fuzzers) pass
+// `Rule::worst_case` to check the bound (and the exact part) alone.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "core/validate.hpp"
+#include "error_bound.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/positional.hpp"
@@ -55,6 +62,17 @@ inline double finite_diff(ConstTensorView a, ConstTensorView b, int* mismatches)
   return worst;
 }
 
+// Which error rules a check applies.
+enum class Rule {
+  policy,      // the tolerance policy and the worst-case bound
+  worst_case,  // the worst-case bound alone
+};
+
+// The worst-case bound applies unless a score_mod of unknown behaviour runs.
+inline bool bound_applies(const AttentionOptions& opt, const ScoreModBound& mod) {
+  return !opt.score_mod || mod.roundings > 0;
+}
+
 struct Inputs {
   Tensor q, k, v;
 };
@@ -69,11 +87,14 @@ inline Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std:
           random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
 }
 
-// Runs the fast backend and checks it against the reference with the
-// tolerance policy; returns the fast result.
+// Runs the fast backend and checks it against the reference with `rule`
+// (`mod` describes opt.score_mod for the worst-case bound; without it a
+// score_mod skips the bound); returns the fast result.
 inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTensorView k,
                                                      ConstTensorView v, AttentionOptions opt,
-                                                     const std::string& label) {
+                                                     const std::string& label,
+                                                     Rule rule = Rule::policy,
+                                                     const ScoreModBound& mod = {}) {
   opt.return_lse = true;
   AttentionOptions fast_opt = opt;
   fast_opt.backend = qkv::Backend::fast;
@@ -84,6 +105,19 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
   const qkv::AttentionResult ref =
       qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
                      qkv::to_dtype(v, DType::f64), ref_opt);
+
+  int mismatches = 0;
+  const double err_fast = finite_diff(fast.out, ref.out, &mismatches);
+  const double lse_fast = finite_diff(fast.lse, ref.lse, &mismatches);
+  EXPECT_EQ(mismatches, 0) << label << ": infinities or NaNs differ from the reference";
+  if (bound_applies(opt, mod)) {
+    const ForwardErrorBound bound = forward_error_bound(q, k, v, opt, max_abs(ref.out), mod);
+    EXPECT_LE(err_fast, bound.out)
+        << label << ": fast error " << err_fast << " above the worst-case bound " << bound.out;
+    EXPECT_LE(lse_fast, bound.lse)
+        << label << ": lse error " << lse_fast << " above the worst-case bound " << bound.lse;
+  }
+  if (rule == Rule::worst_case) return fast;
 
   const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
   Tensor naive_out(q.dtype(), fast.out.view().size_span());
@@ -101,13 +135,10 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
     for (std::int64_t i = 0; i < a.size(0); ++i) tanh_error += std::fabs(a.get({i}));
     tanh_error *= 8 * unit_roundoff(DType::f32);
   }
-  int mismatches = 0;
-  const double err_fast = finite_diff(fast.out, ref.out, &mismatches);
   const double err_naive = finite_diff(naive_out, ref.out, &mismatches);
   const double floor = unit_roundoff(q.dtype()) * max_abs(ref.out) + 2 * tanh_error * max_abs(v);
   EXPECT_LE(err_fast, 2 * err_naive + floor)
       << label << ": fast error " << err_fast << ", naive " << err_naive << ", floor " << floor;
-  const double lse_fast = finite_diff(fast.lse, ref.lse, &mismatches);
   const double lse_naive = finite_diff(naive_lse, ref.lse, &mismatches);
   const double lse_floor =
       unit_roundoff(DType::f32) *
@@ -120,19 +151,21 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
                  return t;
                }()));
   EXPECT_LE(lse_fast, 2 * lse_naive + lse_floor + tanh_error) << label << ": lse";
-  EXPECT_EQ(mismatches, 0) << label << ": infinities or NaNs differ from the reference";
+  EXPECT_EQ(mismatches, 0) << label << ": the naive computation's infinities or NaNs differ";
   return fast;
 }
 
 inline Tensor f64(ConstTensorView t) { return qkv::to_dtype(t, DType::f64); }
 
 // Runs forward and backward on the fast backend, as a training step would,
-// and checks every gradient against the reference with the tolerance policy.
+// and checks every gradient against the reference with `rule` (the
+// worst-case bound for dot-product scores, whose backward is fused).
 // Returns the fast gradients.
 inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstTensorView k,
                                                        ConstTensorView v, AttentionOptions opt,
                                                        const std::string& label,
-                                                       std::uint32_t seed = 5) {
+                                                       std::uint32_t seed = 5,
+                                                       Rule rule = Rule::policy) {
   const DType dtype = q.dtype();
   opt.return_lse = true;
   AttentionOptions fast_opt = opt;
@@ -159,8 +192,75 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
   const qkv::AttentionGradients ref =
       qkv::attention_backward(q64, k64, v64, ref_fwd.out, dout64, ref_fwd.lse, ref_opt);
 
-  // The naive computation in the input precision, from its own forward.
   const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
+  const ConstTensorView probs = ref_fwd.probs;
+  double key_mass = 0.0;  // max_j sum_i P_ij over the query heads of a KV head
+  for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
+    for (std::int64_t hk = 0; hk < problem.hkv; ++hk)
+      for (std::int64_t j = 0; j < probs.size(3); ++j) {
+        double mass = 0.0;
+        for (std::int64_t h = hk * problem.group(); h < (hk + 1) * problem.group(); ++h)
+          for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
+        key_mass = std::max(key_mass, mass);
+      }
+  // The largest sum of P_ij over the (b, i, j) of one relative-bias bucket
+  // (packed sequences and key lengths move positions: a head's whole mass,
+  // an upper bound).
+  double bucket_mass = 0.0;
+  if (fast.d_relative_bias.defined()) {
+    const std::int64_t buckets = opt.relative_bias.table.size(1);
+    const bool exact_buckets = opt.cu_seqlens_q.empty() && opt.key_lengths.empty();
+    for (std::int64_t h = 0; h < probs.size(1); ++h) {
+      std::vector<double> mass(static_cast<std::size_t>(buckets), 0.0);
+      for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
+        for (std::int64_t i = 0; i < probs.size(2); ++i)
+          for (std::int64_t j = 0; j < probs.size(3); ++j) {
+            const std::int64_t pos =
+                opt.align == qkv::Align::bottom_right ? i + probs.size(3) - probs.size(2) : i;
+            const std::int64_t bucket =
+                exact_buckets
+                    ? qkv::t5_relative_bucket(j - pos, buckets, opt.relative_bias.max_distance,
+                                              opt.relative_bias.bidirectional)
+                    : 0;
+            mass[static_cast<std::size_t>(bucket)] += probs.get({bb, h, i, j});
+          }
+      bucket_mass = std::max(bucket_mass, *std::max_element(mass.begin(), mass.end()));
+    }
+  }
+
+  for (const Tensor* g : {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias}) {
+    EXPECT_FALSE(g->defined() && has_non_finite(*g)) << label << ": a gradient has NaN or inf";
+  }
+  if (opt.score != qkv::Score::additive) {
+    BackwardMagnitudes m;
+    m.key_mass = key_mass;
+    m.bucket_mass = bucket_mass;
+    m.max_out = max_abs(fwd.out);
+    m.out_error = max_abs_diff(fwd.out, ref_fwd.out);
+    int mismatches = 0;
+    m.lse_error = finite_diff(fwd.lse, ref_fwd.lse, &mismatches);
+    EXPECT_EQ(mismatches, 0) << label
+                             << ": the forward's lse is not finite where the reference's is";
+    m.max_dq = max_abs(ref.dq);
+    m.max_dk = max_abs(ref.dk);
+    m.max_dv = max_abs(ref.dv);
+    if (fast.d_relative_bias.defined()) m.max_d_bias = max_abs(ref.d_relative_bias);
+    const BackwardErrorBound bound = backward_error_bound(q, k, v, dout, opt, m);
+    const auto within = [&](const char* name, const Tensor& f, const Tensor& r, double b) {
+      const double err = max_abs_diff(f, r);
+      EXPECT_LE(err, b) << label << ": " << name << " error " << err
+                        << " above the worst-case bound " << b;
+    };
+    within("dq", fast.dq, ref.dq, bound.dq);
+    within("dk", fast.dk, ref.dk, bound.dk);
+    within("dv", fast.dv, ref.dv, bound.dv);
+    if (fast.d_relative_bias.defined()) {
+      within("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, bound.d_relative_bias);
+    }
+  }
+  if (rule == Rule::worst_case) return fast;
+
+  // The naive computation in the input precision, from its own forward.
   Tensor naive_out(dtype, fwd.out.view().size_span());
   Tensor naive_lse(DType::f32, fwd.lse.view().size_span());
   qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, dtype);
@@ -175,19 +275,9 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
       problem, q, k, v, naive_out, dout, naive_lse,
       {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt, dtype);
 
-  // The cancellation floor (see the top of this file).
-  const ConstTensorView probs = ref_fwd.probs;
-  double key_mass = 0.0;  // max_j sum_i P_ij over the query heads of a KV head
-  for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
-    for (std::int64_t hk = 0; hk < problem.hkv; ++hk)
-      for (std::int64_t j = 0; j < probs.size(3); ++j) {
-        double mass = 0.0;
-        for (std::int64_t h = hk * problem.group(); h < (hk + 1) * problem.group(); ++h)
-          for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
-        key_mass = std::max(key_mass, mass);
-      }
-  // Two f32 dot products of length Dv, and D_i formed from `out` as the
-  // forward rounded it to the input dtype (u of f16 for f16 inputs).
+  // The cancellation floor (see the top of this file): two f32 dot products
+  // of length Dv, and D_i formed from `out` as the forward rounded it to the
+  // input dtype (u of f16 for f16 inputs).
   const double ds_error = (2.0 * unit_roundoff(DType::f32) + unit_roundoff(dtype)) *
                           static_cast<double>(problem.dv) * max_abs(dout) * max_abs(v) /
                           (1.0 - opt.dropout_p);
@@ -196,7 +286,6 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
 
   auto check = [&](const char* name, const Tensor& f, const Tensor& r, const Tensor& n,
                    DType out_dtype, double cancel = 0.0) {
-    EXPECT_FALSE(has_non_finite(f)) << label << ": " << name << " has NaN or inf";
     const double err_fast = max_abs_diff(f, r);
     const double err_naive = max_abs_diff(n, r);
     const double floor = unit_roundoff(out_dtype) * max_abs(r) + cancel;
@@ -209,26 +298,7 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
   check("dv", fast.dv, ref.dv, naive.dv, dtype);
   if (fast.d_relative_bias.defined()) {
     // d_table[h, bucket] sums dS_ij over the (b, i, j) in the bucket: the
-    // cancellation floor is ds_error times the largest bucket mass sum P_ij
-    // (packed sequences: a head's whole mass, an upper bound).
-    const std::int64_t buckets = opt.relative_bias.table.size(1);
-    double bucket_mass = 0.0;
-    for (std::int64_t h = 0; h < probs.size(1); ++h) {
-      std::vector<double> mass(static_cast<std::size_t>(buckets), 0.0);
-      for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
-        for (std::int64_t i = 0; i < probs.size(2); ++i)
-          for (std::int64_t j = 0; j < probs.size(3); ++j) {
-            const std::int64_t pos =
-                opt.align == qkv::Align::bottom_right ? i + probs.size(3) - probs.size(2) : i;
-            const std::int64_t bucket =
-                opt.cu_seqlens_q.empty()
-                    ? qkv::t5_relative_bucket(j - pos, buckets, opt.relative_bias.max_distance,
-                                              opt.relative_bias.bidirectional)
-                    : 0;
-            mass[static_cast<std::size_t>(bucket)] += probs.get({bb, h, i, j});
-          }
-      bucket_mass = std::max(bucket_mass, *std::max_element(mass.begin(), mass.end()));
-    }
+    // cancellation floor is ds_error times the largest bucket mass sum P_ij.
     check("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, naive.d_relative_bias,
           DType::f32, ds_error * bucket_mass);
   }

@@ -8,8 +8,8 @@
 // bitwise unchanged and a call that must be rejected is; inputs are never
 // written, nor gradient memory outside the views; finite inputs give finite
 // gradients (every element written: the views start as NaN sentinels); on
-// small problems the fast backward meets the tolerance policy
-// (attention_checks.hpp) and equals, bitwise, the allocating call on another
+// small problems the fast backward is within the worst-case error bound of
+// the reference (error_bound.hpp) and equals, bitwise, the allocating call on another
 // thread count; the reference backward from the forward's f32 lse stays
 // within rounding of the reference in double.
 #include "fuzz_common.hpp"
@@ -246,7 +246,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool small = qkv::fuzz::small_enough({c.batch, c.hq, c.nq, c.nk, c.dq + c.dv}, 50000);
   if (!finite || !small || !c.comparable) return 0;
   if (runs_fast(c)) {
-    if (c.policy) qkv::test::expect_backward_matches(c.q, c.k, c.v, c.opt, c.text);
+    qkv::test::expect_backward_matches(c.q, c.k, c.v, c.opt, c.text, 5,
+                                       qkv::test::Rule::worst_case);
     // The same call, allocating, on another thread count.
     qkv::fuzz::fuzz_threads(in);
     AttentionOptions o = c.opt;

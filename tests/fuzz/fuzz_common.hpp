@@ -2,11 +2,13 @@
 // sizes, strided views, values and attention options (FuzzedDataProvider),
 // calling an entry point so that any exception but qkv::Error is a finding,
 // sentinel-filled buffers that show whether a call wrote where it must not,
-// and the finiteness and reference checks. The tolerance policy of
-// docs/numerics.md is tests/attention_checks.hpp's (its EXPECTs are turned
-// into findings by a gtest listener) and, for the entry points without such
-// a helper (decode, linear attention), `expect_within_policy` below, the same
-// rule: |fast - ref| <= 2 |naive - ref| + u_out max|ref| (+ a documented floor).
+// and the finiteness and reference checks. Attention and its backward are
+// held to the worst-case error bounds of tests/error_bound.hpp through
+// tests/attention_checks.hpp (its EXPECTs are turned into findings by a
+// gtest listener); decode and linear attention, in the regime where it
+// holds, to the tolerance policy of docs/numerics.md through
+// `expect_within_policy` below: |fast - ref| <= 2 |naive - ref| +
+// u_out max|ref| (+ a documented floor).
 #pragma once
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -603,6 +605,18 @@ inline float score_mod_menu(int id, float s, std::int64_t b, std::int64_t h, std
   }
 }
 
+// What the finite menu entries do to a score, for the worst-case bound:
+// 3 tanh(s) is 3-Lipschitz, the others 1; each adds at most 0.25 |i - j|,
+// 0.1 (h + 1) + 0.05 b or 3 and rounds at most four times.
+inline test::ScoreModBound score_mod_bound(int id, std::int64_t batch, std::int64_t hq,
+                                           std::int64_t nq, std::int64_t nk) {
+  if (id < 0) return {};
+  const double offset =
+      std::max({0.25 * static_cast<double>(nq + nk),
+                0.1 * static_cast<double>(hq + 1) + 0.05 * static_cast<double>(batch), 3.0});
+  return {3.0, offset, 4.0};
+}
+
 inline bool mask_mod_menu(int id, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
   switch (id) {
     case 0:
@@ -642,12 +656,9 @@ struct AttentionCase {
 
   // Finite inputs and options: every result must be finite (lse may be -inf).
   bool finite_expected = true;
-  // Options within the range where the naive computation in the input
-  // precision is meaningful, so the tolerance policy applies.
+  // Finite inputs, and results inside the formats: the fast path is
+  // compared with the reference (error_bound.hpp's worst-case bounds).
   bool comparable = true;
-  // ... and in the regime where the policy's statistics hold (else only its
-  // exact part applies: non-finite results where the reference has them).
-  bool policy = true;
   // Why validation must reject the call (empty when it may accept it).
   std::string must_reject;
   std::string text;  // a description for findings
@@ -986,21 +997,6 @@ inline void fuzz_enums(Input& in, AttentionCase& c) {
   c.reject("out-of-range enum");
 }
 
-// Whether a case is in the regime of the unit tests' policy checks: enough
-// outputs and keys per row for the naive error to be representative, and
-// scores of moderate size.
-inline bool policy_meaningful(const AttentionCase& c) {
-  const double scale = c.opt.scale.value_or(c.opt.score == Score::scaled_dot && c.dk > 0
-                                                ? 1.0 / std::sqrt(static_cast<double>(c.dk))
-                                                : 1.0);
-  // |s| <= sum_a |v_a| for the additive score (tanh is at most 1 in size).
-  const double scores =
-      c.opt.score == Score::additive && c.add_v.view.defined()
-          ? static_cast<double>(c.add_v.view.numel()) * max_abs(c.add_v.cview())
-          : std::fabs(scale) * static_cast<double>(c.dk) * c.qk_magnitude * c.qk_magnitude;
-  return c.batch * c.nq * c.hq * c.dv >= 512 && c.nk >= 16 && scores <= 32.0;
-}
-
 // Builds a whole case; `differentiable` leaves out score_mod (the backward
 // refuses it).
 inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
@@ -1086,19 +1082,6 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
   }
   if (!c.inputs_finite()) c.note("non-finite inputs");
 
-  // The naive computation rounds scores to f16 for f16 inputs: the policy
-  // applies while they stay in its range.
-  const double scale = c.opt.scale.value_or(c.opt.score == Score::scaled_dot && c.dk > 0
-                                                ? 1.0 / std::sqrt(static_cast<double>(c.dk))
-                                                : 1.0);
-  double bound = c.opt.score == Score::additive
-                     ? 8.0 * 30.0
-                     : std::fabs(scale) * static_cast<double>(c.dk) * vq.magnitude * vq.magnitude;
-  for (const float s : c.slopes) bound += std::fabs(s) * static_cast<double>(c.nk + c.nq);
-  bound += c.table.view.defined() ? 30.0 : 0.0;
-  bound += c.mask.view.defined() && c.mask.view.dtype() != DType::boolean ? 30.0 : 0.0;
-  if (c.dtype == DType::f16 && bound > 3e4) c.comparable = false;
-
   // Dropout scales kept weights by 1 / (1 - p): bounded outputs need a
   // bounded factor in 16-bit formats.
   if (c.opt.dropout_p > 0.9 && (c.dtype == DType::f16 || c.dtype == DType::bf16)) {
@@ -1106,20 +1089,6 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
   }
   if (!c.inputs_finite()) c.comparable = false;
   if (!c.finite_expected) c.comparable = false;
-  // The tolerance policy (2x the naive error + u max|ref|) is a statistical
-  // rule: on a handful of outputs, or scores of hundreds, the fast path's
-  // legitimate 1-3 ulp (scale folded into Q, online softmax) can exceed a
-  // naive error that happened to be small. Outside that regime only the
-  // policy's exact part is checked (non-finite exactly where the reference).
-  // ... and it is a rule for random data: on structured values (ties, small
-  // integers, mostly zeros) the naive computation may round far less than
-  // usual and is no yardstick.
-  // The additive score is left to the exact part: its fused tanh (Highway's,
-  // 4 ULP) put lse up to 1.14x past the tanh-adjusted bound at sum |v_a| =
-  // 32 (docs/reliability.md lists it as open); tests/flash_forward_test.cpp
-  // holds it to the policy at moderate scales.
-  c.policy = policy_meaningful(c) && !c.q.structured && !c.k.structured && !c.v.structured &&
-             c.opt.score != Score::additive;
 }
 
 }  // namespace qkv::fuzz
