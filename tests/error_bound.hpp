@@ -193,8 +193,9 @@ inline ForwardErrorBound forward_error_bound(ConstTensorView q, ConstTensorView 
   // an ulp of |lse| <= M + log(Nk + 1).
   const double log_n = std::log(nk + 1);
   const double e = (1 + consistent) * (1 + gamma_n(nk + blocks)) - 1 + nk * 0x1p-125;
-  b.lse = or_infinite(s.error + (e < 1 ? -std::log1p(-e) : -1.0) + 2 * u * log_n +
-                      u * (s.magnitude + log_n));
+  b.lse =
+      or_infinite(s.error + (e < 1 ? -std::log1p(-e) : std::numeric_limits<double>::infinity()) +
+                  2 * u * log_n + u * (s.magnitude + log_n));
   return b;
 }
 

@@ -56,6 +56,27 @@ TEST(ErrorBound, ForwardHoldsOnLargeScoresAndEveryBias) {
   }
 }
 
+// Scores near 3.5e6 with D = 1 and a relative bias (a case fuzz_attention
+// found): the score's
+// rounding alone moves lse by 0.16, and the relative error of the sum is
+// past 1, so the lse bound must say "nothing" (infinity), not a small number.
+TEST(ErrorBound, LseBoundIsInfiniteWhenTheSumsBoundSaysNothing) {
+  const std::int64_t n = 15;
+  Tensor q(DType::f32, {1, n, 1, 1}), k(DType::f32, {1, n, 1, 1});
+  const Tensor v = random_tensor(DType::f32, {1, n, 1, 1}, 5, -1.5, 1.5);
+  for (std::int64_t i = 0; i < n; ++i) {
+    q.set({0, i, 0, 0}, 369.644);
+    k.set({0, i, 0, 0}, 9471.32 * std::sin(static_cast<double>(i) + 1.0));
+  }
+  const Tensor table = random_tensor(DType::f32, {1, 12}, 6, -30.0, 30.0);
+  AttentionOptions opt;
+  opt.relative_bias.table = table;
+  opt.relative_bias.max_distance = 15;
+  const ForwardErrorBound b = forward_error_bound(q, k, v, opt, 1.0);
+  EXPECT_TRUE(std::isinf(b.lse)) << b.lse;
+  expect_matches_reference(q, k, v, opt, "scores near 3.5e6", Rule::worst_case);
+}
+
 TEST(ErrorBound, BackwardHoldsWithSoftcapAndDropout) {
   for (const DType dtype : {DType::f32, DType::bf16}) {
     Case c = make_case(dtype, 70, 4.0);
