@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages qkv needs to build and test, only those that
-# are missing (so a second run does nothing). Safe to run repeatedly.
+# are missing (so a second run does nothing), and with --python the Python
+# package's dependencies into .venv. Safe to run repeatedly.
 set -euo pipefail
 
 packages=(
@@ -30,4 +31,22 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# With --python, also the Python package's build and test dependencies, in
+# a virtual environment at .venv (created once; pip skips what is there).
+if [[ "${1:-}" == "--python" ]]; then
+  cd "$(dirname "$0")/.."
+  python=${QKV_PYTHON:-python3}
+  if [ ! -x .venv/bin/python ]; then
+    if ! "$python" -m venv .venv; then
+      echo "setup: installing python3-venv"
+      sudo_cmd=()
+      if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+      "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-venv
+      rm -rf .venv
+      "$python" -m venv .venv
+    fi
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
 fi

@@ -1,0 +1,415 @@
+"""qkv's own API in Python: the C++ functions with the C++ names, layouts and
+defaults (see include/qkv/*.hpp and docs/semantics.md). Arrays are NumPy
+arrays or PyTorch CPU tensors with any strides; results come back as the
+same kind of array, written by the kernels in place (no copies)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
+
+from . import _arrays
+from . import _qkv
+from ._arrays import empty, floats, ints, native, optional_native
+
+SparsePattern = _qkv.SparsePattern
+
+_threads: Optional[int] = None  # set_num_threads' choice
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of threads qkv's kernels use (from then on, whatever
+    torch.set_num_threads says)."""
+    global _threads
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"n: expected an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n: expected a thread count >= 1, got {n}")
+    _threads = n
+
+
+def get_num_threads() -> int:
+    """The number of threads the next call uses: what set_num_threads chose,
+    else torch.get_num_threads() once torch is imported, else OpenMP's
+    default (the number of cores)."""
+    n = _wanted_threads()
+    return _qkv.get_num_threads() if n is None else n
+
+
+def _wanted_threads() -> Optional[int]:
+    if _threads is not None:
+        return _threads
+    torch = _arrays.torch_module()
+    return None if torch is None else torch.get_num_threads()
+
+
+def _run(fn, *args) -> None:
+    """Calls a native function on get_num_threads() threads. PyTorch and qkv
+    may share one OpenMP runtime: the count is set for the call and put
+    back, so neither changes the other's."""
+    n = _wanted_threads()
+    before = _qkv.get_num_threads()
+    if n is None or n == before:
+        fn(*args)
+        return
+    _qkv.set_num_threads(n)
+    try:
+        fn(*args)
+    finally:
+        _qkv.set_num_threads(before)
+
+
+def alibi_slopes(num_heads: int) -> list:
+    """ALiBi's head slopes (Press et al. 2022), as a list of floats."""
+    return _qkv.alibi_slopes(num_heads)
+
+
+class Additive(NamedTuple):
+    """Parameters of score="additive": s = v^T tanh(W_q q + W_k k + bias)."""
+
+    w_q: Any  # [A, Dq]
+    w_k: Any  # [A, Dk]
+    v: Any  # [A]
+    bias: Any = None  # [A] or None
+
+
+class RelativeBias(NamedTuple):
+    """T5's learned bias table[h, bucket(j - p_i)]."""
+
+    table: Any  # [Hq, num_buckets]
+    max_distance: int = 128
+    bidirectional: bool = True
+
+
+class AttentionResult(NamedTuple):
+    out: Any  # [B, Nq, Hq, Dv], dtype of q
+    lse: Any  # [B, Hq, Nq] float32 (float64 for float64 q), or None
+    probs: Any  # [B, Hq, Nq, Nk] float32 (float64), or None
+
+
+class AttentionGradients(NamedTuple):
+    dq: Any  # [B, Nq, Hq, Dq], dtype of q
+    dk: Any  # [B, Nk, Hkv, Dk]
+    dv: Any  # [B, Nk, Hkv, Dv]
+    d_rel_bias: Any  # [Hq, num_buckets] float32, with rel_bias
+    d_additive_w_q: Any  # [A, Dq] float32, with score="additive"
+    d_additive_w_k: Any  # [A, Dk]
+    d_additive_v: Any  # [A]
+    d_additive_bias: Any  # [A], with an additive bias
+
+
+def _window(window: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window: expected a pair (left, right), got {window!r}") from None
+    return int(left), int(right)
+
+
+def _options(
+    *,
+    scale=None,
+    score="scaled_dot",
+    additive=None,
+    causal=False,
+    align="bottom_right",
+    window=None,
+    key_lengths=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    mask=None,
+    alibi_slopes=None,
+    rel_bias=None,
+    softcap=0.0,
+    sparse=None,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
+    backend="automatic",
+) -> _qkv.Options:
+    o = _qkv.Options()
+    o.score = score
+    o.scale = None if scale is None else float(scale)
+    if additive is not None:
+        if not isinstance(additive, Additive):
+            additive = Additive(*additive)
+        o.additive_w_q = native(additive.w_q, "additive.w_q")
+        o.additive_w_k = native(additive.w_k, "additive.w_k")
+        o.additive_v = native(additive.v, "additive.v")
+        o.additive_bias = optional_native(additive.bias, "additive.bias")
+    o.causal = bool(causal)
+    o.align = align
+    o.window_left, o.window_right = _window(window)
+    o.key_lengths = ints(key_lengths, "key_lengths")
+    o.cu_seqlens_q = ints(cu_seqlens_q, "cu_seqlens_q")
+    o.cu_seqlens_k = ints(cu_seqlens_k, "cu_seqlens_k")
+    o.mask = optional_native(mask, "mask")
+    o.alibi_slopes = floats(alibi_slopes, "alibi_slopes")
+    if rel_bias is not None:
+        if not isinstance(rel_bias, RelativeBias):
+            rel_bias = RelativeBias(rel_bias)
+        o.rel_bias_table = native(rel_bias.table, "rel_bias.table")
+        o.rel_bias_max_distance = int(rel_bias.max_distance)
+        o.rel_bias_bidirectional = bool(rel_bias.bidirectional)
+    o.softcap = float(softcap)
+    if sparse is not None:
+        o.sparse = sparse
+    o.dropout_p = float(dropout_p)
+    o.dropout_seed = int(dropout_seed)
+    o.dropout_offset = int(dropout_offset)
+    o.backend = backend
+    return o
+
+
+def _shape(x: Any, name: str, rank: int) -> Tuple[int, ...]:
+    shape = tuple(x.shape)
+    if len(shape) != rank:
+        raise ValueError(f"{name}: expected {rank} dimensions, got shape {list(shape)}")
+    return shape
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    scale: Optional[float] = None,
+    score: str = "scaled_dot",
+    additive: Optional[Additive] = None,
+    causal: bool = False,
+    align: str = "bottom_right",
+    window: Optional[Tuple[int, int]] = None,
+    key_lengths: Optional[Sequence[int]] = None,
+    cu_seqlens_q: Optional[Sequence[int]] = None,
+    cu_seqlens_k: Optional[Sequence[int]] = None,
+    mask=None,
+    alibi_slopes=None,
+    rel_bias=None,
+    softcap: float = 0.0,
+    sparse: Optional[SparsePattern] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
+    return_lse: bool = False,
+    return_probs: bool = False,
+    backend: str = "automatic",
+):
+    """softmax(f(q, k) + biases, masked) v, as qkv::attention (qkv/attention.hpp).
+
+    Shapes (qkv's layout, FlashAttention's):
+        q    [B, Nq, Hq, Dq]    float32, float64, float16 or bfloat16
+        k    [B, Nk, Hkv, Dk]   Hq a multiple of Hkv (GQA/MQA)
+        v    [B, Nk, Hkv, Dv]
+        out  [B, Nq, Hq, Dv]    dtype of q
+        lse  [B, Hq, Nq]        float32 (float64 for float64 q), with return_lse
+        probs [B, Hq, Nq, Nk]   float32 (float64), with return_probs
+
+    Options (defaults mean "off"): scale (default 1/sqrt(Dk)); score
+    "scaled_dot", "dot" or "additive" (with additive=Additive(w_q, w_k, v,
+    bias)); causal with align "bottom_right" (FlashAttention) or "top_left"
+    (PyTorch's is_causal); window=(left, right), -1 unbounded; key_lengths
+    [B]; cu_seqlens_q / cu_seqlens_k [S + 1] for packed sequences (B = 1);
+    mask, bool (True = attend) or float (added), broadcast to [B, Hq, Nq, Nk];
+    alibi_slopes [Hq] or [B, Hq]; rel_bias, a [Hq, buckets] table or
+    RelativeBias(table, max_distance, bidirectional); softcap c (c tanh(s/c));
+    sparse, a SparsePattern; dropout_p with dropout_seed / dropout_offset;
+    backend "automatic", "fast" or "reference".
+
+    Returns out, or AttentionResult(out, lse, probs) when return_lse or
+    return_probs (the one not asked for is None).
+    """
+    o = _options(
+        scale=scale, score=score, additive=additive, causal=causal, align=align,
+        window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
+        rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
+    )
+    return attention_with(q, k, v, o, return_lse=return_lse, return_probs=return_probs)
+
+
+def attention_with(q, k, v, o: _qkv.Options, *, return_lse=False, return_probs=False, out=None):
+    """attention() with prepared options (the drop-in modules' fast path);
+    `out`, when given, receives the result."""
+    qn, kn, vn = native(q, "q"), native(k, "k"), native(v, "v")
+    b, nq, hq, _ = _shape(q, "q", 4)
+    nk = _shape(k, "k", 4)[1]
+    dv = _shape(v, "v", 4)[3]
+    if out is None:
+        out = empty(q, (b, nq, hq, dv))
+    lse = empty(q, (b, hq, nq), "stat") if return_lse else None
+    probs = empty(q, (b, hq, nq, nk), "stat") if return_probs else None
+    _run(
+        _qkv.attention_into,
+        qn, kn, vn, native(out, "out"), optional_native(lse, "lse"),
+        optional_native(probs, "probs"), o,
+    )
+    if return_lse or return_probs:
+        return AttentionResult(out, lse, probs)
+    return out
+
+
+def attention_backward(
+    q,
+    k,
+    v,
+    out,
+    dout,
+    lse,
+    *,
+    scale: Optional[float] = None,
+    score: str = "scaled_dot",
+    additive: Optional[Additive] = None,
+    causal: bool = False,
+    align: str = "bottom_right",
+    window: Optional[Tuple[int, int]] = None,
+    key_lengths=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    mask=None,
+    alibi_slopes=None,
+    rel_bias=None,
+    softcap: float = 0.0,
+    sparse: Optional[SparsePattern] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
+    backend: str = "automatic",
+) -> AttentionGradients:
+    """Gradients of attention(q, k, v, **options) given its out and lse and
+    dout = dLoss/dout, as qkv::attention_backward (qkv/backward.hpp). The
+    options must be the forward's. Returns AttentionGradients(dq, dk, dv,
+    d_rel_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
+    d_additive_bias); the parameter gradients are None unless used."""
+    o = _options(
+        scale=scale, score=score, additive=additive, causal=causal, align=align,
+        window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
+        rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
+    )
+    return attention_backward_with(q, k, v, out, dout, lse, o, additive=additive, rel_bias=rel_bias)
+
+
+def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bias=None,
+                            grads=None) -> AttentionGradients:
+    """attention_backward() with prepared options; `grads`, when given, is a
+    (dq, dk, dv) triple that receives the gradients."""
+    if grads is None:
+        dq, dk, dv = empty(q, q.shape), empty(q, k.shape), empty(q, v.shape)
+    else:
+        dq, dk, dv = grads
+    d_rel = d_wq = d_wk = d_v = d_b = None
+    if rel_bias is not None:
+        table = rel_bias.table if isinstance(rel_bias, RelativeBias) else rel_bias
+        d_rel = empty(q, table.shape, "stat")
+    if additive is not None:
+        if not isinstance(additive, Additive):
+            additive = Additive(*additive)
+        d_wq = empty(q, additive.w_q.shape, "stat")
+        d_wk = empty(q, additive.w_k.shape, "stat")
+        d_v = empty(q, additive.v.shape, "stat")
+        if additive.bias is not None:
+            d_b = empty(q, additive.bias.shape, "stat")
+    _run(
+        _qkv.attention_backward_into,
+        native(q, "q"), native(k, "k"), native(v, "v"), native(out, "out"),
+        native(dout, "dout"), native(lse, "lse"), native(dq, "dq"), native(dk, "dk"),
+        native(dv, "dv"), optional_native(d_rel, "d_rel_bias"),
+        optional_native(d_wq, "d_additive_w_q"), optional_native(d_wk, "d_additive_w_k"),
+        optional_native(d_v, "d_additive_v"), optional_native(d_b, "d_additive_bias"), o,
+    )
+    return AttentionGradients(dq, dk, dv, d_rel, d_wq, d_wk, d_v, d_b)
+
+
+class KvCache(_qkv.KvCache):
+    """A key/value cache for decoding (qkv/kv_cache.hpp).
+
+    KvCache(batch, kv_heads, head_dim, value_dim=0, capacity, dtype="float32",
+    page_size=0, num_pages=0): contiguous (page_size 0: each sequence owns
+    `capacity` slots) or paged (a pool of num_pages pages of page_size
+    tokens; 0 pages = enough for every sequence at capacity). Storage dtype
+    "float32", "bfloat16" or "float16".
+
+    append(k, v, counts=None, rope=False, rope_base=10000.0,
+    rope_interleaved=False, rotary_dim=0): k [B, n, Hkv, Dk], v [B, n, Hkv,
+    Dv], the first counts[b] rows to sequence b; with rope, keys are rotated
+    at their positions on the way in. Nothing changes when it raises.
+    """
+
+    def append(self, k, v, counts=None, rope=False, rope_base=10000.0,
+               rope_interleaved=False, rotary_dim=0):
+        super().append(native(k, "k"), native(v, "v"), ints(counts, "counts"), rope,
+                       rope_base, rope_interleaved, rotary_dim)
+
+    def append_to(self, b, k, v, rope=False, rope_base=10000.0, rope_interleaved=False,
+                  rotary_dim=0):
+        super().append_to(b, native(k, "k"), native(v, "v"), rope, rope_base,
+                          rope_interleaved, rotary_dim)
+
+
+def decode_attention(
+    q,
+    cache: KvCache,
+    *,
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    window: Optional[Tuple[int, int]] = None,
+    return_lse: bool = False,
+    backend: str = "automatic",
+):
+    """The newest n tokens' queries q [B, n, Hq, Dk] (1 <= n <= 16) against
+    everything `cache` holds, causally (qkv/decode.hpp). Returns out [B, n,
+    Hq, Dv], or (out, lse [B, Hq, n]) with return_lse."""
+    o = _options(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
+                 backend=backend)
+    b, n, hq, _ = _shape(q, "q", 4)
+    out = empty(q, (b, n, hq, cache.value_dim))
+    lse = empty(q, (b, hq, n), "stat") if return_lse else None
+    _run(_qkv.decode_attention_into, native(q, "q"), cache, native(out, "out"),
+         optional_native(lse, "lse"), o)
+    return (out, lse) if return_lse else out
+
+
+def apply_rope(x, start_positions, *, base=10000.0, interleaved=False, rotary_dim=0):
+    """Rotates x [B, n, H, D] in place (RoPE): row t of sequence b at position
+    start_positions[b] + t; half-split pairs (Llama) unless interleaved
+    (GPT-J). Returns x."""
+    _qkv.apply_rope(native(x, "x"), ints(start_positions, "start_positions"), base,
+                    interleaved, rotary_dim)
+    return x
+
+
+def apply_rope_backward(grad, start_positions, *, base=10000.0, interleaved=False,
+                        rotary_dim=0):
+    """The gradient of apply_rope, in place (the inverse rotation). Returns grad."""
+    _qkv.apply_rope_backward(native(grad, "grad"), ints(start_positions, "start_positions"),
+                             base, interleaved, rotary_dim)
+    return grad
+
+
+def linear_attention(q, k, v, *, feature_map="elu_plus_one", causal=False, normalize=True,
+                     eps=1e-6, chunk=64, backend="automatic"):
+    """Linear attention (Katharopoulos et al. 2020), qkv/linear.hpp:
+    out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T,
+    z = sum_j phi(k_j) over all keys (causal: keys j <= i). q [B, Nq, Hq, D],
+    k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv]; returns out [B, Nq, Hq, Dv]."""
+    b, nq, hq, _ = _shape(q, "q", 4)
+    out = empty(q, (b, nq, hq, _shape(v, "v", 4)[3]))
+    _run(_qkv.linear_attention_into, native(q, "q"), native(k, "k"), native(v, "v"),
+                               native(out, "out"), feature_map, causal, normalize, eps, chunk,
+                               backend)
+    return out
+
+
+def linear_attention_backward(q, k, v, dout, *, feature_map="elu_plus_one", causal=False,
+                              normalize=True, eps=1e-6, chunk=64, backend="automatic"):
+    """Gradients (dq, dk, dv) of linear_attention with the same options."""
+    dq, dk, dv = empty(q, q.shape), empty(q, k.shape), empty(q, v.shape)
+    _run(_qkv.linear_attention_backward_into, native(q, "q"), native(k, "k"), native(v, "v"),
+                                        native(dout, "dout"), native(dq, "dq"),
+                                        native(dk, "dk"), native(dv, "dv"), feature_map,
+                                        causal, normalize, eps, chunk, backend)
+    return dq, dk, dv

@@ -1,0 +1,326 @@
+// qkv._qkv: the native half of the Python package. Every function writes
+// into arrays the caller allocated (the `_into` entry points of the C++ API),
+// so nothing is copied in either direction; the Python layer (python/qkv)
+// allocates outputs of the caller's array type and maps foreign
+// conventions. The GIL is released while a kernel runs. qkv::Error becomes
+// ValueError (nanobind's translation of std::invalid_argument).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "arrays.hpp"
+#include "options.hpp"
+#include "qkv/qkv.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace qkv::python {
+namespace {
+
+void attention_into_py(const In& q, const In& k, const In& v, const Out& out,
+                       const std::optional<Out>& lse, const std::optional<Out>& probs,
+                       const Options& options) {
+  const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
+  const AttentionOptions o = options.to_cpp();
+  const AttentionOutputs outputs{view_of(out, "out"), view_of(lse, "lse"), view_of(probs, "probs")};
+  nb::gil_scoped_release release;
+  attention_into(qv, kv, vv, outputs, o);
+}
+
+void attention_backward_into_py(const In& q, const In& k, const In& v, const In& out,
+                                const In& dout, const In& lse, const Out& dq, const Out& dk,
+                                const Out& dv, const std::optional<Out>& d_rel_bias,
+                                const std::optional<Out>& d_additive_w_q,
+                                const std::optional<Out>& d_additive_w_k,
+                                const std::optional<Out>& d_additive_v,
+                                const std::optional<Out>& d_additive_bias, const Options& options) {
+  const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v"),
+                        ov = view_of(out, "out"), dov = view_of(dout, "dout"),
+                        lv = view_of(lse, "lse");
+  const AttentionOptions o = options.to_cpp();
+  const GradientOutputs grads{view_of(dq, "dq"),
+                              view_of(dk, "dk"),
+                              view_of(dv, "dv"),
+                              view_of(d_rel_bias, "d_rel_bias"),
+                              view_of(d_additive_w_q, "d_additive_w_q"),
+                              view_of(d_additive_w_k, "d_additive_w_k"),
+                              view_of(d_additive_v, "d_additive_v"),
+                              view_of(d_additive_bias, "d_additive_bias")};
+  nb::gil_scoped_release release;
+  attention_backward_into(qv, kv, vv, ov, dov, lv, grads, o);
+}
+
+RopeConfig rope_config(double base, bool interleaved, std::int64_t rotary_dim) {
+  RopeConfig r;
+  r.base = base;
+  r.interleaved = interleaved;
+  r.rotary_dim = rotary_dim;
+  return r;
+}
+
+DType storage_dtype(const std::string& s) {
+  if (s == "float32") return DType::f32;
+  if (s == "bfloat16") return DType::bf16;
+  if (s == "float16") return DType::f16;
+  throw Error("dtype: expected 'float32', 'bfloat16' or 'float16', got '" + s + "'");
+}
+
+FeatureMap parse_feature_map(const std::string& s) {
+  if (s == "elu_plus_one") return FeatureMap::elu_plus_one;
+  if (s == "relu") return FeatureMap::relu;
+  throw Error("feature_map: expected 'elu_plus_one' or 'relu', got '" + s + "'");
+}
+
+LinearAttentionOptions linear_options(const std::string& feature_map, bool causal, bool normalize,
+                                      double eps, std::int64_t chunk, const std::string& backend) {
+  LinearAttentionOptions o;
+  o.feature_map = parse_feature_map(feature_map);
+  o.causal = causal;
+  o.normalize = normalize;
+  o.eps = eps;
+  o.chunk = chunk;
+  o.backend = parse_backend(backend);
+  return o;
+}
+
+}  // namespace
+
+// The modules (modules.cpp).
+void bind_modules(nb::module_& m);
+
+}  // namespace qkv::python
+
+NB_MODULE(_qkv, m) {
+  using namespace qkv;
+  using namespace qkv::python;
+  m.doc() = "qkv's native functions; use the `qkv` package, which wraps them.";
+
+  nb::class_<SparsePattern>(m, "SparsePattern",
+                            "An attention pattern (qkv/sparse.hpp): one more mask, run by the "
+                            "fused kernels without visiting the tiles it leaves empty.")
+      .def(nb::init<>())
+      .def_static("window", &SparsePattern::window, "left"_a, "right"_a)
+      .def_static("dilated_window", &SparsePattern::dilated_window, "left"_a, "right"_a,
+                  "dilation"_a)
+      .def_static("strided", &SparsePattern::strided, "stride"_a)
+      .def_static("fixed", &SparsePattern::fixed, "block"_a, "summary"_a)
+      .def_static("global_tokens", &SparsePattern::global_tokens, "tokens"_a)
+      .def_static(
+          "block_sparse",
+          [](nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>
+                 layout,
+             std::int64_t block_size) {
+            BlockLayout l;
+            l.heads = static_cast<std::int64_t>(layout.shape(0));
+            l.q_blocks = static_cast<std::int64_t>(layout.shape(1));
+            l.k_blocks = static_cast<std::int64_t>(layout.shape(2));
+            l.block_size = block_size;
+            l.bits.assign(layout.data(), layout.data() + layout.size());
+            return SparsePattern::block_sparse(std::move(l));
+          },
+          "layout"_a, "block_size"_a)
+      .def_static(
+          "bigbird",
+          [](std::int64_t heads, std::int64_t nq, std::int64_t nk, std::int64_t block_size,
+             std::int64_t window_blocks, std::int64_t global_blocks, std::int64_t random_blocks,
+             std::uint64_t seed) {
+            BigBirdConfig c;
+            c.heads = heads;
+            c.nq = nq;
+            c.nk = nk;
+            c.block_size = block_size;
+            c.window_blocks = window_blocks;
+            c.global_blocks = global_blocks;
+            c.random_blocks = random_blocks;
+            c.seed = seed;
+            return SparsePattern::block_sparse(bigbird_layout(c));
+          },
+          "heads"_a, "nq"_a, "nk"_a, "block_size"_a = 64, "window_blocks"_a = 1,
+          "global_blocks"_a = 1, "random_blocks"_a = 2, "seed"_a = 0)
+      .def("__or__", [](const SparsePattern& a, const SparsePattern& b) { return a | b; })
+      .def("__and__", [](const SparsePattern& a, const SparsePattern& b) { return a & b; })
+      .def("defined", &SparsePattern::defined)
+      .def("admits", &SparsePattern::admits, "h"_a, "i"_a, "p"_a, "j"_a)
+      .def("__repr__", [](const SparsePattern& p) {
+        return "SparsePattern(" + (p.defined() ? p.describe() : std::string("off")) + ")";
+      });
+
+  nb::class_<Options>(m, "Options", "Every option of qkv::AttentionOptions (see qkv.attention).")
+      .def(nb::init<>())
+      .def_rw("score", &Options::score)
+      .def_rw("scale", &Options::scale)
+      .def_rw("additive_w_q", &Options::additive_w_q)
+      .def_rw("additive_w_k", &Options::additive_w_k)
+      .def_rw("additive_v", &Options::additive_v)
+      .def_rw("additive_bias", &Options::additive_bias)
+      .def_rw("causal", &Options::causal)
+      .def_rw("align", &Options::align)
+      .def_rw("window_left", &Options::window_left)
+      .def_rw("window_right", &Options::window_right)
+      .def_rw("key_lengths", &Options::key_lengths)
+      .def_rw("cu_seqlens_q", &Options::cu_seqlens_q)
+      .def_rw("cu_seqlens_k", &Options::cu_seqlens_k)
+      .def_rw("mask", &Options::mask)
+      .def_rw("alibi_slopes", &Options::alibi_slopes)
+      .def_rw("rel_bias_table", &Options::rel_bias_table)
+      .def_rw("rel_bias_max_distance", &Options::rel_bias_max_distance)
+      .def_rw("rel_bias_bidirectional", &Options::rel_bias_bidirectional)
+      .def_rw("softcap", &Options::softcap)
+      .def_rw("dropout_p", &Options::dropout_p)
+      .def_rw("dropout_seed", &Options::dropout_seed)
+      .def_rw("dropout_offset", &Options::dropout_offset)
+      .def_rw("backend", &Options::backend)
+      .def_rw("sparse", &Options::sparse);
+
+  m.def("attention_into", &attention_into_py, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+        "probs"_a.none(), "options"_a,
+        "Attention of q [B, Nq, Hq, Dk], k [B, Nk, Hkv, Dk], v [B, Nk, Hkv, Dv] into out "
+        "[B, Nq, Hq, Dv] (dtype of q), lse [B, Hq, Nq] and probs [B, Hq, Nq, Nk] (float32; "
+        "float64 for float64 inputs) when given.");
+  m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a,
+        "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(), "d_additive_w_q"_a.none(),
+        "d_additive_w_k"_a.none(), "d_additive_v"_a.none(), "d_additive_bias"_a.none(), "options"_a,
+        "Gradients of attention into dq, dk, dv (dtype of q) and the parameter gradients "
+        "the options use.");
+
+  nb::class_<KvCache>(m, "KvCache",
+                      "A key/value cache for decoding (qkv/kv_cache.hpp): contiguous "
+                      "(page_size = 0) or paged.")
+      .def(
+          "__init__",
+          [](KvCache* self, std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim,
+             std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
+             std::int64_t page_size, std::int64_t num_pages) {
+            KvCacheConfig c;
+            c.batch = batch;
+            c.kv_heads = kv_heads;
+            c.head_dim = head_dim;
+            c.value_dim = value_dim;
+            c.capacity = capacity;
+            c.dtype = storage_dtype(dtype);
+            c.page_size = page_size;
+            c.num_pages = num_pages;
+            new (self) KvCache(c);
+          },
+          "batch"_a, "kv_heads"_a, "head_dim"_a, "value_dim"_a = 0, "capacity"_a,
+          "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0)
+      .def_prop_ro("paged", &KvCache::paged)
+      .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
+      .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
+      .def_prop_ro("head_dim", [](const KvCache& c) { return c.config().head_dim; })
+      .def_prop_ro("value_dim", &KvCache::value_dim)
+      .def_prop_ro("capacity", [](const KvCache& c) { return c.config().capacity; })
+      .def_prop_ro("page_size", &KvCache::page_size)
+      .def_prop_ro("free_pages", &KvCache::free_pages)
+      .def("length", &KvCache::length, "b"_a)
+      .def("lengths",
+           [](const KvCache& c) {
+             return std::vector<std::int64_t>(c.lengths().begin(), c.lengths().end());
+           })
+      .def(
+          "append",
+          [](KvCache& c, const In& k, const In& v, const std::optional<Ints>& counts, bool rope,
+             double rope_base, bool rope_interleaved, std::int64_t rotary_dim) {
+            const RopeConfig r = rope_config(rope_base, rope_interleaved, rotary_dim);
+            const ConstTensorView kv = view_of(k, "k"), vv = view_of(v, "v");
+            nb::gil_scoped_release release;
+            c.append(kv, vv, span_of(counts), rope ? &r : nullptr);
+          },
+          "k"_a, "v"_a, "counts"_a.none() = nb::none(), "rope"_a = false, "rope_base"_a = 10000.0,
+          "rope_interleaved"_a = false, "rotary_dim"_a = 0)
+      .def(
+          "append_to",
+          [](KvCache& c, std::int64_t b, const In& k, const In& v, bool rope, double rope_base,
+             bool rope_interleaved, std::int64_t rotary_dim) {
+            const RopeConfig r = rope_config(rope_base, rope_interleaved, rotary_dim);
+            const ConstTensorView kv = view_of(k, "k"), vv = view_of(v, "v");
+            nb::gil_scoped_release release;
+            c.append_to(b, kv, vv, rope ? &r : nullptr);
+          },
+          "b"_a, "k"_a, "v"_a, "rope"_a = false, "rope_base"_a = 10000.0,
+          "rope_interleaved"_a = false, "rotary_dim"_a = 0)
+      .def("release", &KvCache::release, "b"_a);
+
+  m.def(
+      "decode_attention_into",
+      [](const In& q, const KvCache& cache, const Out& out, const std::optional<Out>& lse,
+         const Options& options) {
+        const AttentionOptions o = options.to_cpp();
+        const ConstTensorView qv = view_of(q, "q");
+        const TensorView ov = view_of(out, "out"), lv = view_of(lse, "lse");
+        nb::gil_scoped_release release;
+        decode_attention_into(qv, cache, ov, lv, o);
+      },
+      "q"_a, "cache"_a, "out"_a, "lse"_a.none(), "options"_a,
+      "Attention of q [B, n, Hq, Dk] against everything `cache` holds, into out [B, n, Hq, Dv] "
+      "(and lse [B, Hq, n]).");
+
+  const auto rope = [](bool backward) {
+    return [backward](const Out& x, const Ints& start_positions, double base, bool interleaved,
+                      std::int64_t rotary_dim) {
+      const RopeConfig r = rope_config(base, interleaved, rotary_dim);
+      const TensorView xv = view_of(x, backward ? "grad" : "x");
+      const std::span<const std::int64_t> starts(start_positions.data(), start_positions.shape(0));
+      nb::gil_scoped_release release;
+      if (backward) {
+        apply_rope_backward(xv, starts, r);
+      } else {
+        apply_rope(xv, starts, r);
+      }
+    };
+  };
+  m.def("apply_rope", rope(false), "x"_a, "start_positions"_a, "base"_a = 10000.0,
+        "interleaved"_a = false, "rotary_dim"_a = 0,
+        "Rotates x [B, n, H, D] in place; row t of sequence b at position start_positions[b] + t.");
+  m.def("apply_rope_backward", rope(true), "grad"_a, "start_positions"_a, "base"_a = 10000.0,
+        "interleaved"_a = false, "rotary_dim"_a = 0, "The gradient of apply_rope, in place.");
+
+  m.def(
+      "linear_attention_into",
+      [](const In& q, const In& k, const In& v, const Out& out, const std::string& feature_map,
+         bool causal, bool normalize, double eps, std::int64_t chunk, const std::string& backend) {
+        const LinearAttentionOptions o =
+            linear_options(feature_map, causal, normalize, eps, chunk, backend);
+        const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
+        const TensorView ov = view_of(out, "out");
+        nb::gil_scoped_release release;
+        linear_attention_into(qv, kv, vv, ov, o);
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "feature_map"_a, "causal"_a, "normalize"_a, "eps"_a, "chunk"_a,
+      "backend"_a);
+  m.def(
+      "linear_attention_backward_into",
+      [](const In& q, const In& k, const In& v, const In& dout, const Out& dq, const Out& dk,
+         const Out& dv, const std::string& feature_map, bool causal, bool normalize, double eps,
+         std::int64_t chunk, const std::string& backend) {
+        const LinearAttentionOptions o =
+            linear_options(feature_map, causal, normalize, eps, chunk, backend);
+        const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v"),
+                              dov = view_of(dout, "dout");
+        const LinearAttentionGradientOutputs g{view_of(dq, "dq"), view_of(dk, "dk"),
+                                               view_of(dv, "dv")};
+        nb::gil_scoped_release release;
+        linear_attention_backward_into(qv, kv, vv, dov, g, o);
+      },
+      "q"_a, "k"_a, "v"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a, "feature_map"_a, "causal"_a,
+      "normalize"_a, "eps"_a, "chunk"_a, "backend"_a);
+
+  m.def("alibi_slopes", &alibi_slopes, "num_heads"_a,
+        "ALiBi's slopes for num_heads heads (Press et al. 2022), as a list of floats.");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 1) throw Error("n: expected a thread count >= 1, got " + std::to_string(n));
+        omp_set_num_threads(n);
+      },
+      "n"_a, "Threads of the next calls (OpenMP).");
+  m.def("get_num_threads", &omp_get_max_threads, "Threads the next call uses.");
+
+  bind_modules(m);
+}

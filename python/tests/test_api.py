@@ -1,0 +1,235 @@
+"""qkv's own Python API against the float64 NumPy reference (reference.py):
+every option, every dtype, NumPy and PyTorch, strided views without copies,
+the GIL released during kernels, decoding, RoPE, linear attention, sparse
+patterns."""
+
+import threading
+import time
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import qkv
+import reference
+
+RNG = np.random.default_rng(1234)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def problem(b=2, nq=5, nk=7, hq=4, hkv=2, d=8, dv=6):
+    return rand(b, nq, hq, d), rand(b, nk, hkv, d), rand(b, nk, hkv, dv)
+
+
+def as_float(x):
+    if isinstance(x, torch.Tensor):
+        return x.float().numpy().astype(np.float64)
+    return np.asarray(x).astype(np.float64)
+
+
+OPTIONS = [
+    {},
+    {"causal": True},
+    {"causal": True, "align": "top_left"},
+    {"window": (2, 1)},
+    {"causal": True, "window": (3, -1)},
+    {"key_lengths": [4, 7]},
+    {"key_lengths": [3, 6], "causal": True},
+    {"mask": RNG.random((5, 7)) > 0.3},
+    {"mask": rand(2, 1, 5, 7)},
+    {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
+    {"softcap": 2.0},
+    {"scale": 0.7},
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_matches_reference(opts):
+    q, k, v = problem()
+    out = qkv.attention(q, k, v, **opts)
+    ref, _, _ = reference.attention(q, k, v, **opts)
+    bias = 0.0
+    if "mask" in opts and opts["mask"].dtype != bool:
+        bias = float(np.abs(opts["mask"]).max())
+    if "alibi_slopes" in opts:
+        bias = 0.5 * 2 * (5 + 7)
+    tol = reference.tolerance(q, k, v, np.float32, scale=opts.get("scale"), bias=bias)
+    assert np.abs(out - ref).max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, ml_dtypes.bfloat16])
+def test_dtypes(dtype):
+    q, k, v = (x.astype(dtype) for x in problem())
+    out = qkv.attention(q, k, v, causal=True)
+    assert out.dtype == np.dtype(dtype)
+    ref, _, _ = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    if dtype == np.float64:  # the reference backend, in double
+        assert np.abs(out - ref).max() < 1e-12
+    else:  # exact conversions in, f32 inside, one rounding out
+        tol = reference.tolerance(q.astype(np.float64), k.astype(np.float64),
+                                  v.astype(np.float64), dtype)
+        assert np.abs(out.astype(np.float64) - ref).max() <= tol
+
+
+def test_returns_the_callers_kind_and_lse_probs():
+    q, k, v = problem()
+    r = qkv.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                      causal=True, return_lse=True, return_probs=True)
+    assert isinstance(r.out, torch.Tensor) and r.out.dtype == torch.float32
+    assert r.lse.shape == (2, 4, 5) and r.probs.shape == (2, 4, 5, 7)
+    ref, lse, probs = reference.attention(q, k, v, causal=True)
+    assert np.abs(r.lse.numpy() - lse).max() < 1e-5
+    assert np.abs(r.probs.numpy() - probs).max() < 1e-6
+    t = torch.from_numpy(q).to(torch.bfloat16)
+    out = qkv.attention(t, torch.from_numpy(k).bfloat16(), torch.from_numpy(v).bfloat16())
+    assert out.dtype == torch.bfloat16
+    n = qkv.attention(q, k, v, return_lse=True)
+    assert isinstance(n.out, np.ndarray) and n.probs is None
+
+
+def test_strided_views_match_contiguous():
+    q, k, v = problem()
+    base = qkv.attention(q, k, v, causal=True)
+    # q laid out [B, H, N, D] and viewed as [B, N, H, D]; k a slice of a
+    # wider buffer; v from a Fortran-ordered copy; torch transposes.
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    wide = np.zeros((2, 7, 2, 20), np.float32)
+    wide[..., 3:11] = k
+    vf = np.asfortranarray(v)
+    out = qkv.attention(qt, wide[..., 3:11], vf, causal=True)
+    assert np.array_equal(out, base)
+    tq = torch.from_numpy(np.ascontiguousarray(q.transpose(0, 2, 1, 3))).transpose(1, 2)
+    assert np.array_equal(qkv.attention(tq, torch.from_numpy(k), torch.from_numpy(v),
+                                        causal=True).numpy(), base)
+    assert np.array_equal(qt, q)  # inputs untouched
+
+
+def test_inputs_are_not_copied():
+    # q of 8 MiB in a transposed layout; the call may allocate its output
+    # (B Nq Hq Dv floats, 256 KiB here) and small metadata, not a copy of q.
+    q = rand(1, 4096, 8, 64).transpose(0, 1, 2, 3)
+    k, v = rand(1, 64, 8, 64), rand(1, 64, 8, 2)
+    qkv.attention(q[:, :8], k, v)  # warm up (first-call allocations)
+    tracemalloc.start()
+    qkv.attention(q, k, v)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < q.nbytes // 4
+
+
+def test_gil_is_released_while_a_kernel_runs():
+    q, k, v = rand(1, 2048, 8, 64), rand(1, 2048, 8, 64), rand(1, 2048, 8, 64)
+    stamps = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    qkv.attention(q, k, v, backend="reference" if False else "fast")
+    end = time.perf_counter()
+    stop.set()
+    t.join()
+    assert end - start > 0.02, "the call was too fast to tell"
+    inside = [s for s in stamps if start + 0.005 < s < end - 0.005]
+    assert inside, "no Python thread ran while the kernel did"
+
+
+def test_threads_follow_torch_until_set():
+    torch.set_num_threads(1)
+    assert qkv.get_num_threads() == 1
+    torch.set_num_threads(2)
+    assert qkv.get_num_threads() == 2
+    try:
+        qkv.set_num_threads(1)
+        assert qkv.get_num_threads() == 1
+        q, k, v = problem()
+        qkv.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v))
+        assert torch.get_num_threads() == 2  # qkv's choice does not leak into torch
+        with pytest.raises(ValueError, match="n: expected a thread count >= 1, got 0"):
+            qkv.set_num_threads(0)
+    finally:
+        qkv._api._threads = None
+
+
+def torch_reference(q, k, v, causal):
+    """Differentiable float64 attention in torch, for gradients."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) / q.shape[-1] ** 0.5
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        i = torch.arange(nq)[:, None] + (nk - nq)
+        s = s.masked_fill(torch.arange(nk)[None, :] > i, float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", s.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_matches_autograd(dtype):
+    q, k, v = (x.astype(dtype) for x in problem())
+    dout = rand(2, 5, 4, 6).astype(dtype)
+    r = qkv.attention(q, k, v, causal=True, return_lse=True)
+    g = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True)
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    torch_reference(tq, tk, tv, True).backward(torch.tensor(dout, dtype=torch.float64))
+    # f32: each gradient within a few hundred f32 ulps of its size (a sum of
+    # Nk + D products of order-1 factors, rounded in f32); f64: double.
+    rel = 1e-12 if dtype == np.float64 else 2e-5
+    for got, want in ((g.dq, tq.grad), (g.dk, tk.grad), (g.dv, tv.grad)):
+        want = want.numpy()
+        assert np.abs(got - want).max() <= rel * (1 + np.abs(want).max())
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kv_cache_decode_matches_causal_attention(paged):
+    b, hkv, d, n = 2, 2, 8, 9
+    cache = qkv.KvCache(batch=b, kv_heads=hkv, head_dim=d, capacity=16,
+                        page_size=4 if paged else 0)
+    k, v = rand(b, n, hkv, d), rand(b, n, hkv, d)
+    cache.append(k, v, counts=[n, n - 3])
+    assert cache.lengths() == [n, n - 3]
+    q = rand(b, 1, 4, d)
+    out = qkv.decode_attention(q, cache)
+    for bb, length in enumerate((n, n - 3)):
+        ref, _, _ = reference.attention(q[bb:bb + 1], k[bb:bb + 1, :length], v[bb:bb + 1, :length],
+                                        causal=True)
+        assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, v, np.float32)
+
+
+def test_rope_backward_undoes_rope():
+    x = rand(2, 5, 3, 8).astype(np.float64)
+    y = qkv.apply_rope(x.copy(), [0, 3])
+    assert not np.allclose(y, x)
+    assert np.abs(qkv.apply_rope_backward(y, [0, 3]) - x).max() < 1e-12
+
+
+def test_linear_attention_matches_definition():
+    q, k, v = problem(hq=2, hkv=2)
+    out = qkv.linear_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    phi = lambda x: np.where(x > 0, x + 1, np.exp(x))  # noqa: E731
+    fq, fk = phi(q.astype(np.float64)), phi(k.astype(np.float64))
+    s = np.einsum("bjhm,bjhd->bhmd", fk, v)
+    z = fk.sum(1)  # [B, H, M]
+    ref = np.einsum("bihm,bhmd->bihd", fq, s) / (np.einsum("bihm,bhm->bih", fq, z)[..., None] + 1e-6)
+    assert np.abs(out - ref).max() < 1e-12
+
+
+def test_sparse_window_equals_the_window_option():
+    q, k, v = problem(nq=12, nk=12)
+    pattern = qkv.SparsePattern.window(3, 0)
+    a = qkv.attention(q, k, v, sparse=pattern)
+    b = qkv.attention(q, k, v, window=(3, 0))
+    ref, _, _ = reference.attention(q, k, v, window=(3, 0))
+    assert np.abs(a - ref).max() <= reference.tolerance(q, k, v, np.float32)
+    assert np.abs(a - b).max() <= reference.tolerance(q, k, v, np.float32)
+    assert "window" in repr(pattern | qkv.SparsePattern.global_tokens([0]))
