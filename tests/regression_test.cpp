@@ -440,6 +440,30 @@ TEST(Regression, CustomMapOverEmptyRowsMatchesTheReference) {
   EXPECT_LE(max_abs_diff(fast, ref), 1e-6);
 }
 
+// Found by fuzz_attention (UBSan): keys or values of head dim 0 with null
+// data (valid: empty rows) made the fused forward offset the null pointer
+// while packing rows.
+TEST(Regression, EmptyHeadsWithoutMemoryMatchTheReference) {
+  const ConstTensorView q(nullptr, DType::f32, {1, 20, 2, 0}),
+      k(nullptr, DType::f32, {1, 40, 2, 0});
+  const Tensor v = random_tensor(DType::f32, {1, 40, 2, 3}, 12);
+  qkv::AttentionOptions o;
+  o.causal = true;
+  o.scale = 1.0;  // the default 1/sqrt(Dk) needs Dk >= 1
+  o.backend = Backend::fast;
+  const Tensor fast = qkv::attention(q, k, v, o).out;
+  o.backend = Backend::reference;
+  const Tensor ref = qkv::attention(q, k, v, o).out;
+  // Every score is 0: row i is the mean of v over its keys.
+  EXPECT_LE(max_abs_diff(fast, ref), 1e-6);
+  const ConstTensorView none(nullptr, DType::f32, {1, 40, 2, 0});
+  const Tensor q3 = random_tensor(DType::f32, {1, 20, 2, 3}, 13);
+  const Tensor k3 = random_tensor(DType::f32, {1, 40, 2, 3}, 14);
+  o.backend = Backend::fast;
+  const Tensor empty = qkv::attention(q3, k3, none, o).out;
+  EXPECT_EQ(empty.size(3), 0);
+}
+
 // Found by fuzz_linear (UBSan): the self-overlap check of an output view
 // multiplied stride by size in int64 before the memory check had rejected
 // an extent past int64.

@@ -167,12 +167,15 @@ inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::
   const std::int64_t line_span = std::min<std::int64_t>(
       width * t.stride(3) * ElementBytes(t.dtype()), row_bytes > 0 ? row_bytes : 1);
   for (std::int64_t r = 0; r < n; ++r) {
-    if (r + kRowsAhead < n) {
+    // A view without memory (head dim 0, null data) has rows of nothing:
+    // no address may be formed from its null pointer.
+    if (src != nullptr && r + kRowsAhead < n) {
       const std::uint8_t* ahead = src + (r + kRowsAhead) * row_bytes;
       for (std::int64_t b = 0; b < line_span; b += 64) hwy::Prefetch(ahead + b);
     }
     float* out = panel_stride > 0 ? row : dst + r * ld;
-    LoadStridedRowF32(src + r * row_bytes, t.dtype(), width, t.stride(3), out);
+    LoadStridedRowF32(src == nullptr ? nullptr : src + r * row_bytes, t.dtype(), width, t.stride(3),
+                      out);
     std::fill(out + width, out + ld, 0.0f);
     if (panel_stride == 0) continue;
     const std::int64_t nr = ValueWidth();
@@ -465,8 +468,8 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
       const std::int64_t r = gi * g.positions + t;
       const std::uint8_t* src = At(q, g.seq.batch, g.seq.q_begin + u.i0 + t, u.hkv * g.group + gi);
       // Consecutive positions are H * D elements apart: fetch rows ahead, as
-      // PackRows does for keys.
-      if (t + kRowsAhead < g.positions) {
+      // PackRows does for keys (not from a view without memory).
+      if (src != nullptr && t + kRowsAhead < g.positions) {
         const std::uint8_t* ahead = src + kRowsAhead * q.stride(1) * ElementBytes(q.dtype());
         for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
       }

@@ -115,11 +115,13 @@ bool gradients_bounded(const AttentionCase& c, double dout_magnitude) {
   return bound < (c.dtype == DType::f16 ? 3e4 : 1e30);
 }
 
-// The reference backward is fed the forward's lse rounded to f32; it
-// accumulates in double and rounds once, so its gradients stay within
-// rounding of the reference computed in double throughout.
-void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
-                              const qkv::AttentionGradients& g) {
+// The reference backward is fed the forward's out and lse (rounded to the
+// dtype and f32, and carrying the forward's own error, which the fast
+// forward's is); it accumulates in double and rounds once, so its gradients
+// stay within what those inputs' errors move them by, plus rounding, of the
+// reference computed in double throughout.
+void check_reference_rounding(const AttentionCase& c, ConstTensorView out, ConstTensorView lse,
+                              ConstTensorView dout, const qkv::AttentionGradients& g) {
   AttentionOptions o = c.opt;
   o.backend = qkv::Backend::reference;
   o.return_lse = true;
@@ -129,17 +131,26 @@ void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
   const qkv::AttentionGradients ref =
       qkv::attention_backward(q, k, v, fwd.out, qkv::test::f64(dout), fwd.lse, o);
   // Rounding of the result, plus the double computation's own cancellation.
-  double floor = std::ldexp(1.0, -40) * (1.0 + qkv::test::max_abs(dout)) * (1.0 + c.v_magnitude) *
-                 (1.0 + c.qk_magnitude) * static_cast<double>(c.nq + c.nk + c.dv + 1);
-  // The call is fed `out` rounded to the dtype, so D_i = <dout_i, out_i>
-  // carries up to u Dv max|dout| max|v| (|out| <= max|v|); every dS_ij =
-  // P_ij (dP_ij - D_i) of the row inherits it, and dq, dk take it through the
-  // score's partial derivatives: scale |k| or scale |q| for dot products,
-  // sum_a |v_a| |W| (tanh' <= 1) for the additive score, summed over a
-  // column's probability mass (at most Nq per query head of the KV head's
-  // group) for dk.
-  const double d_error = qkv::test::unit_roundoff(c.dtype) * static_cast<double>(c.dv) *
-                         qkv::test::max_abs(dout) * c.v_magnitude;
+  const double base = std::ldexp(1.0, -40) * (1.0 + qkv::test::max_abs(dout)) *
+                      (1.0 + c.v_magnitude) * (1.0 + c.qk_magnitude) *
+                      static_cast<double>(c.nq + c.nk + c.dv + 1);
+  // The given out and lse differ from the exact ones by what was measured:
+  // P_ij = exp(s_ij - lse_i) moves by a factor e^{lse error}, and
+  // D_i = <dout_i, out_i> by Dv max|dout| (out error). Every dS_ij =
+  // P_ij (dP_ij - D_i), |dP_ij - D_i| <= Dv max|dout| (max|v| + max|out|),
+  // inherits both, and dq, dk take them through the score's partial
+  // derivatives: scale |k| or scale |q| for dot products, sum_a |v_a| |W|
+  // (tanh' <= 1) for the additive score, summed over a column's
+  // probability mass (at most Nq per query head of the KV head's group) for
+  // dk; dv = sum_i P_ij dout_i takes the first over the same mass.
+  int mismatches = 0;
+  const double out_error = qkv::test::finite_diff(out, fwd.out, &mismatches);
+  const double lse_error = qkv::test::finite_diff(lse, fwd.lse, &mismatches);
+  const double dout_max = qkv::test::max_abs(dout);
+  const double dv = static_cast<double>(c.dv);
+  const double p_error = std::expm1(lse_error);
+  const double ds_error = dv * dout_max * (c.v_magnitude + qkv::test::max_abs(out)) * p_error +
+                          dv * dout_max * out_error;
   const double scale = std::fabs(c.opt.scale.value_or(
       c.opt.score == qkv::Score::scaled_dot && c.dk > 0 ? 1.0 / std::sqrt(static_cast<double>(c.dk))
                                                         : 1.0));
@@ -148,17 +159,18 @@ void check_reference_rounding(const AttentionCase& c, ConstTensorView dout,
           ? static_cast<double>(c.add_v.view.numel()) * qkv::test::max_abs(c.add_v.cview()) *
                 std::max(qkv::test::max_abs(c.w_q.cview()), qkv::test::max_abs(c.w_k.cview()))
           : scale * c.qk_magnitude;
-  floor += d_error * partials * static_cast<double>((c.nq + 1) * (c.hq / c.hkv));
-  const auto check = [&](const char* name, const Tensor& got, const Tensor& want) {
+  const double rows = static_cast<double>((c.nq + 1) * (c.hq / c.hkv));
+  const auto check = [&](const char* name, const Tensor& got, const Tensor& want, double floor) {
     const double err = qkv::test::max_abs_diff(got, want);
     const double bound = 2.0 * qkv::test::unit_roundoff(c.dtype) * qkv::test::max_abs(want) + floor;
     require(err <= bound, std::string("reference backward ") + name + " is " + std::to_string(err) +
                               " from the reference in double (bound " + std::to_string(bound) +
-                              "; rebuilt from an f32 lse?): " + c.text);
+                              "; out error " + std::to_string(out_error) + ", lse error " +
+                              std::to_string(lse_error) + "): " + c.text);
   };
-  check("dq", g.dq, ref.dq);
-  check("dk", g.dk, ref.dk);
-  check("dv", g.dv, ref.dv);
+  check("dq", g.dq, ref.dq, base + ds_error * partials * rows);
+  check("dk", g.dk, ref.dk, base + ds_error * partials * rows);
+  check("dv", g.dv, ref.dv, base + p_error * rows * dout_max);
 }
 
 }  // namespace
@@ -263,7 +275,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             "count: " +
                 c.text);
   } else if (c.dtype != DType::f64 && !replaced) {
-    check_reference_rounding(c, dout, r);
+    check_reference_rounding(c, out, lse, dout, r);
   }
   return 0;
 }
