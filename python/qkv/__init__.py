@@ -13,6 +13,7 @@ from ._api import (
     AttentionGradients,
     AttentionResult,
     KvCache,
+    LinearAttentionState,
     RelativeBias,
     SparsePattern,
     alibi_slopes,
@@ -24,6 +25,8 @@ from ._api import (
     get_num_threads,
     linear_attention,
     linear_attention_backward,
+    linear_attention_state,
+    linear_attention_step,
     set_num_threads,
 )
 
@@ -34,6 +37,7 @@ __all__ = [
     "AttentionGradients",
     "AttentionResult",
     "KvCache",
+    "LinearAttentionState",
     "RelativeBias",
     "SparsePattern",
     "alibi_slopes",
@@ -45,5 +49,7 @@ __all__ = [
     "get_num_threads",
     "linear_attention",
     "linear_attention_backward",
+    "linear_attention_state",
+    "linear_attention_step",
     "set_num_threads",
 ]

@@ -390,17 +390,49 @@ def apply_rope_backward(grad, start_positions, *, base=10000.0, interleaved=Fals
     return grad
 
 
+LinearAttentionState = _qkv.LinearAttentionState
+
+
+def linear_attention_state(batch, kv_heads, features, value_dim, dtype="float32"):
+    """The state of an empty prefix (zeros): `.s` [B, Hkv, M, Dv] and `.z`
+    [B, Hkv, M], arrays over the state's own memory (np.asarray or
+    torch.from_dlpack read them without a copy); dtype "float32" or
+    "float64"."""
+    return _qkv.LinearAttentionState(batch, kv_heads, features, value_dim, dtype)
+
+
 def linear_attention(q, k, v, *, feature_map="elu_plus_one", causal=False, normalize=True,
-                     eps=1e-6, chunk=64, backend="automatic"):
+                     eps=1e-6, chunk=64, return_state=False, backend="automatic"):
     """Linear attention (Katharopoulos et al. 2020), qkv/linear.hpp:
     out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T,
     z = sum_j phi(k_j) over all keys (causal: keys j <= i). q [B, Nq, Hq, D],
-    k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv]; returns out [B, Nq, Hq, Dv]."""
+    k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv]; returns out [B, Nq, Hq, Dv], or
+    (out, state) with return_state (causal only): the state after the last
+    key, for linear_attention_step."""
     b, nq, hq, _ = _shape(q, "q", 4)
     out = empty(q, (b, nq, hq, _shape(v, "v", 4)[3]))
+    state = None
+    if return_state:
+        if not causal:
+            raise ValueError("return_state: expected causal=True (a state continues a causal "
+                             "pass), got causal=False")
+        features = _shape(k, "k", 4)[3]
+        dtype = "float64" if str(getattr(q, "dtype", "")).endswith("float64") else "float32"
+        state = _qkv.LinearAttentionState(b, k.shape[2], features, v.shape[3], dtype)
     _run(_qkv.linear_attention_into, native(q, "q"), native(k, "k"), native(v, "v"),
-                               native(out, "out"), feature_map, causal, normalize, eps, chunk,
-                               backend)
+         native(out, "out"), feature_map, causal, normalize, eps, chunk, backend, state)
+    return (out, state) if return_state else out
+
+
+def linear_attention_step(q, k, v, state, *, feature_map="elu_plus_one", normalize=True,
+                          eps=1e-6, chunk=64, backend="automatic"):
+    """Continues a causal linear attention from `state` with n new tokens: q
+    [B, n, Hq, D], k [B, n, Hkv, D], v [B, n, Hkv, Dv] -> out [B, n, Hq, Dv];
+    `state` advances past the new keys (n = 1 decodes a token)."""
+    b, n, hq, _ = _shape(q, "q", 4)
+    out = empty(q, (b, n, hq, _shape(v, "v", 4)[3]))
+    _run(_qkv.linear_attention_step_into, native(q, "q"), native(k, "k"), native(v, "v"), state,
+         native(out, "out"), feature_map, normalize, eps, chunk, backend)
     return out
 
 

@@ -63,7 +63,31 @@ View make_view(const Array& a, const std::string& name) {
               std::span<const std::int64_t>(strides.data(), rank));
 }
 
+nb::dlpack::dtype dlpack_dtype(DType d) {
+  using Code = nb::dlpack::dtype_code;
+  switch (d) {
+    case DType::f32:
+      return {static_cast<std::uint8_t>(Code::Float), 32, 1};
+    case DType::f64:
+      return {static_cast<std::uint8_t>(Code::Float), 64, 1};
+    case DType::f16:
+      return {static_cast<std::uint8_t>(Code::Float), 16, 1};
+    case DType::bf16:
+      return {static_cast<std::uint8_t>(Code::Bfloat), 16, 1};
+    case DType::boolean:
+      return {static_cast<std::uint8_t>(Code::Bool), 8, 1};
+  }
+  throw Error("dtype: no DLPack code for " + std::string(dtype_name(d)));
+}
+
 }  // namespace
+
+Array array_of(TensorView view, nb::handle owner) {
+  std::array<std::size_t, kMaxRank> shape{};
+  for (int d = 0; d < view.rank(); ++d) shape[d] = static_cast<std::size_t>(view.size(d));
+  return Array(view.data(), static_cast<std::size_t>(view.rank()), shape.data(), owner,
+               view.strides().data(), dlpack_dtype(view.dtype()));
+}
 
 DType dtype_of(const nb::dlpack::dtype& t, const std::string& name) {
   using Code = nb::dlpack::dtype_code;

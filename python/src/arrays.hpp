@@ -25,6 +25,13 @@ using Ints = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<1>, nb::c_contig, 
 // Per-head float metadata (ALiBi slopes): 1-D float32, contiguous.
 using Floats = nb::ndarray<nb::ro, const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// An array handed to Python (NumPy, PyTorch and others read it through the
+// array API / DLPack).
+using Array = nb::ndarray<nb::array_api>;
+
+// An array over `view`'s memory, kept alive by `owner` (no copy).
+Array array_of(TensorView view, nb::handle owner);
+
 // The qkv dtype of an array: float32, float64, float16, bfloat16 (PyTorch's,
 // or ml_dtypes' passed by the Python layer as its uint16 bits) and bool.
 // Throws qkv::Error naming `name` for anything else.

@@ -281,18 +281,56 @@ NB_MODULE(_qkv, m) {
   m.def("apply_rope_backward", rope(true), "grad"_a, "start_positions"_a, "base"_a = 10000.0,
         "interleaved"_a = false, "rotary_dim"_a = 0, "The gradient of apply_rope, in place.");
 
+  nb::class_<LinearAttentionState>(m, "LinearAttentionState",
+                                   "A causal linear attention's state: s [B, Hkv, M, Dv] = sum_j "
+                                   "phi(k_j) v_j^T and z [B, Hkv, M] = sum_j phi(k_j).")
+      .def(
+          "__init__",
+          [](LinearAttentionState* self, std::int64_t batch, std::int64_t kv_heads,
+             std::int64_t features, std::int64_t value_dim, const std::string& dtype) {
+            if (dtype != "float32" && dtype != "float64") {
+              throw Error("dtype: expected 'float32' or 'float64', got '" + dtype + "'");
+            }
+            new (self) LinearAttentionState(
+                linear_attention_state(batch, kv_heads, features, value_dim,
+                                       dtype == "float64" ? DType::f64 : DType::f32));
+          },
+          "batch"_a, "kv_heads"_a, "features"_a, "value_dim"_a, "dtype"_a = "float32")
+      .def_prop_ro("s",
+                   [](nb::handle self) {
+                     return array_of(nb::cast<LinearAttentionState&>(self).s.view(), self);
+                   })
+      .def_prop_ro("z", [](nb::handle self) {
+        return array_of(nb::cast<LinearAttentionState&>(self).z.view(), self);
+      });
+
   m.def(
       "linear_attention_into",
       [](const In& q, const In& k, const In& v, const Out& out, const std::string& feature_map,
-         bool causal, bool normalize, double eps, std::int64_t chunk, const std::string& backend) {
+         bool causal, bool normalize, double eps, std::int64_t chunk, const std::string& backend,
+         LinearAttentionState* final_state) {
+        const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
         const LinearAttentionOptions o =
             linear_options(feature_map, causal, normalize, eps, chunk, backend);
-        const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
         const TensorView ov = view_of(out, "out");
         nb::gil_scoped_release release;
-        linear_attention_into(qv, kv, vv, ov, o);
+        linear_attention_into(qv, kv, vv, ov, o, final_state);
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "feature_map"_a, "causal"_a, "normalize"_a, "eps"_a, "chunk"_a,
+      "backend"_a, "final_state"_a.none() = nb::none());
+  m.def(
+      "linear_attention_step_into",
+      [](const In& q, const In& k, const In& v, LinearAttentionState& state, const Out& out,
+         const std::string& feature_map, bool normalize, double eps, std::int64_t chunk,
+         const std::string& backend) {
+        const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
+        const LinearAttentionOptions o =
+            linear_options(feature_map, true, normalize, eps, chunk, backend);
+        const TensorView ov = view_of(out, "out");
+        nb::gil_scoped_release release;
+        linear_attention_step_into(qv, kv, vv, state, ov, o);
+      },
+      "q"_a, "k"_a, "v"_a, "state"_a, "out"_a, "feature_map"_a, "normalize"_a, "eps"_a, "chunk"_a,
       "backend"_a);
   m.def(
       "linear_attention_backward_into",

@@ -28,8 +28,6 @@ using namespace nb::literals;
 namespace qkv::python {
 namespace {
 
-using Array = nb::ndarray<nb::array_api>;
-
 DType parameter_dtype(const std::string& s) {
   if (s == "float32") return DType::f32;
   if (s == "float64") return DType::f64;
@@ -58,31 +56,6 @@ nn::ImageLayout parse_layout(const std::string& s) {
   if (s == "nchw") return nn::ImageLayout::nchw;
   if (s == "nhwc") return nn::ImageLayout::nhwc;
   throw Error("layout: expected 'nchw' or 'nhwc', got '" + s + "'");
-}
-
-nb::dlpack::dtype dlpack_dtype(DType d) {
-  using Code = nb::dlpack::dtype_code;
-  switch (d) {
-    case DType::f32:
-      return {static_cast<std::uint8_t>(Code::Float), 32, 1};
-    case DType::f64:
-      return {static_cast<std::uint8_t>(Code::Float), 64, 1};
-    case DType::f16:
-      return {static_cast<std::uint8_t>(Code::Float), 16, 1};
-    case DType::bf16:
-      return {static_cast<std::uint8_t>(Code::Bfloat), 16, 1};
-    case DType::boolean:
-      return {static_cast<std::uint8_t>(Code::Bool), 8, 1};
-  }
-  throw Error("dtype: no DLPack code for " + std::string(dtype_name(d)));
-}
-
-// An array over `view`'s memory, kept alive by `owner`.
-Array array_of(TensorView view, nb::handle owner) {
-  std::array<std::size_t, kMaxRank> shape{};
-  for (int d = 0; d < view.rank(); ++d) shape[d] = static_cast<std::size_t>(view.size(d));
-  return Array(view.data(), static_cast<std::size_t>(view.rank()), shape.data(), owner,
-               view.strides().data(), dlpack_dtype(view.dtype()));
 }
 
 // An array that owns `t` (moved, not copied).

@@ -233,3 +233,16 @@ def test_sparse_window_equals_the_window_option():
     assert np.abs(a - ref).max() <= reference.tolerance(q, k, v, np.float32)
     assert np.abs(a - b).max() <= reference.tolerance(q, k, v, np.float32)
     assert "window" in repr(pattern | qkv.SparsePattern.global_tokens([0]))
+
+
+def test_linear_attention_step_continues_a_causal_prefill():
+    q, k, v = (x.astype(np.float64) for x in problem(nq=9, nk=9, hq=2, hkv=2))
+    full = qkv.linear_attention(q, k, v, causal=True)
+    out, state = qkv.linear_attention(q[:, :6], k[:, :6], v[:, :6], causal=True,
+                                      return_state=True)
+    assert np.asarray(state.z).shape == (2, 2, 8)
+    rest = qkv.linear_attention_step(q[:, 6:], k[:, 6:], v[:, 6:], state)
+    assert np.abs(np.concatenate([out, rest], axis=1) - full).max() < 1e-12
+    empty = qkv.linear_attention_state(2, 2, 8, 6, dtype="float64")
+    again = qkv.linear_attention_step(q, k, v, empty)
+    assert np.abs(again - full).max() < 1e-12
