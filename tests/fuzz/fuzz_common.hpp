@@ -961,12 +961,15 @@ inline void fuzz_window(Input& in, AttentionCase& c) {
 
 inline void fuzz_key_lengths(Input& in, AttentionCase& c) {
   for (std::int64_t s = 0; s < sequences(c); ++s) {
-    const std::int64_t rows =
-        c.cu_k.empty() || static_cast<std::size_t>(s + 1) >= c.cu_k.size()
-            ? c.nk
-            : std::max<std::int64_t>(
-                  c.cu_k[static_cast<std::size_t>(s) + 1] - c.cu_k[static_cast<std::size_t>(s)], 0);
-    c.key_lengths.push_back(in.range(0, rows));
+    // The sequence's keys (fuzzed offsets may be extreme: a difference
+    // past int64 stands for "many").
+    std::int64_t rows = c.nk;
+    if (!c.cu_k.empty() && static_cast<std::size_t>(s + 1) < c.cu_k.size() &&
+        __builtin_sub_overflow(c.cu_k[static_cast<std::size_t>(s) + 1],
+                               c.cu_k[static_cast<std::size_t>(s)], &rows)) {
+      rows = std::numeric_limits<std::int64_t>::max();
+    }
+    c.key_lengths.push_back(in.range(0, std::max<std::int64_t>(rows, 0)));
   }
   if (in.one_in(12)) {
     if (in.coin() || c.key_lengths.empty()) {
