@@ -772,7 +772,13 @@ inline BlockLayout fuzz_layout(Input& in, const AttentionCase& c) {
             static_cast<std::uint64_t>(l.k_blocks);
     if (cells > 4096) cells = 1;
   } else {
-    cells = static_cast<std::uint64_t>(l.heads * l.q_blocks * l.k_blocks);
+    // Blocks of huge packed sequences (extreme offsets) would need more
+    // bits than memory holds: give a short vector, which must be rejected.
+    std::int64_t product = 0;
+    const bool overflow = __builtin_mul_overflow(l.heads, l.q_blocks, &product) ||
+                          __builtin_mul_overflow(product, l.k_blocks, &product);
+    cells =
+        overflow || product < 0 || product > (1 << 20) ? 1 : static_cast<std::uint64_t>(product);
   }
   SplitMix gen(in.u64());
   const std::uint64_t density = static_cast<std::uint64_t>(in.range(0, 4));
