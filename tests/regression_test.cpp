@@ -481,6 +481,17 @@ TEST(Regression, OutputExtentPastInt64IsAnErrorWithoutOverflow) {
 }
 
 // Defect 13: std::bad_alloc instead of qkv::Error.
+// Found by fuzz_attention (ASan): a BigBird layout of 2^62 blocks fits
+// int64 but no memory; a sanitizer's `new` aborts where the system's
+// throws, so the layout asks for its memory without throwing first.
+TEST(Regression, BigBirdLayoutBeyondMemoryIsAnError) {
+  qkv::BigBirdConfig c;
+  c.nq = c.nk = std::int64_t{1} << 31;
+  c.block_size = 1;
+  EXPECT_NE(error_of([&] { qkv::bigbird_layout(c); }).find("does not fit in memory"),
+            std::string::npos);
+}
+
 TEST(Regression, AbsurdSizesAreErrorsNotBadAlloc) {
   const qkv::KvCache cache = small_cache();
   const Tensor q_storage(DType::f32, {4});

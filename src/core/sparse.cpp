@@ -2,6 +2,8 @@
 // coverage from the parameters alone, tile masks, and BigBird layouts.
 #include "core/sparse.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <limits>
 #include <new>
@@ -628,7 +630,14 @@ BlockLayout bigbird_layout(const BigBirdConfig& c) {
   require(detail::checked_product({L.heads, L.q_blocks, L.k_blocks}, cells),
           "bigbird_layout: heads * q_blocks * k_blocks = " + std::to_string(L.heads) + " * " +
               std::to_string(L.q_blocks) + " * " + std::to_string(L.k_blocks) + " overflows int64");
+  // More bytes than the machine has can never be allocated: refused before
+  // trying (a sanitizer's `new` aborts where the system's throws).
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  const double memory = pages > 0 && page_size > 0
+                            ? static_cast<double>(pages) * static_cast<double>(page_size)
+                            : std::numeric_limits<double>::infinity();
   try {
+    if (static_cast<double>(cells) > memory) throw std::bad_alloc();
     L.bits.assign(static_cast<std::size_t>(cells), 0);
   } catch (const std::bad_alloc&) {
     throw Error("bigbird_layout: a layout of " + std::to_string(cells) +
