@@ -11,6 +11,33 @@ for sliding windows. Both sides report the median of --repeats timed runs
 after one warm-up run. speedup = torch_seconds / qkv_seconds (> 1: qkv is
 faster).
 
+--qkv-via says how qkv itself is timed:
+
+* package (the default): each case three ways in turn, so that a change of
+  machine speed during the run hits all three alike: `qkv bench --json` on
+  that case alone (the C++ library; `--filter '^NAME$'`), then qkv's Python
+  package (`import qkv`, built from python/) on torch tensors made as
+  [B, N, H, D] in the case's dtype from the same generator as the torch
+  side, then torch. Forward: qkv.attention(q, k, v, causal=..., window=(left,
+  right)) under torch.inference_mode(); backward: qkv.attention_backward(q,
+  k, v, out, dout, lse, causal=..., window=...) after one qkv.attention(...,
+  return_lse=True); decode: qkv.decode_attention(q, cache) against a
+  qkv.KvCache filled like the C++ bench's. Every call allocates its outputs,
+  as a user's call does. The package runs on --threads threads
+  (qkv.set_num_threads). The table shows the C++ and package times, torch's,
+  torch / package, torch / C++ and parity = (torch / package) / (torch / C++)
+  = C++ seconds / package seconds (1: the package costs nothing over the C++
+  call; < 1: it is slower). The modules suite is not timed through the
+  package (its columns read "-").
+* binary: one `qkv bench --json` run over every selected case, then torch on
+  each case; the table shows qkv (C++) ms, torch ms and speedup.
+
+Either way the qkv binary is needed: its `bench --list` names the cases and
+its records give their shapes. With --json each case is one JSON object:
+name, qkv_seconds (the C++ bench), torch_seconds, speedup (torch / C++),
+threads, torch_version and qkv_via; with the package also package_seconds,
+package_speedup (torch / package) and parity (null for modules cases).
+
 Forward cases time the forward pass alone, under torch.inference_mode().
 Backward cases time the backward pass alone, as `qkv bench` does: the forward
 runs once with autograd recording (inputs are [B, N, H, D] leaves that require
@@ -39,6 +66,8 @@ output projection); and timm's SEModule(64) and CbamModule(64) in eval mode.
 
 Install torch from PyPI only (see bench/requirements.txt):
     python3 -m pip install -r bench/requirements.txt
+and, for --qkv-via package, qkv's package into the same environment
+(python3 -m pip install -e .); run the script with that environment's python.
 On Linux x86_64 PyPI's torch is the CUDA build: it pulls about 3 GB of
 nvidia-* and triton wheels (about 5.3 GB on disk); PyPI has no CPU-only
 torch wheel for this platform. The CPU kernels are the same.
@@ -49,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -65,6 +95,12 @@ DEFAULT_QKV = REPO_ROOT / "build" / "release" / "qkv"
 # 1 GiB).
 DEFAULT_FILTER = r"/N(512|2048)/|/cross$|^dec/|^mod/"
 SUITES = ("forward", "backward", "decode", "all", "modules")
+QKV_VIA = ("package", "binary")
+# Storage dtype names of qkv.KvCache for the bench's cache dtypes.
+CACHE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+# Token rows (B * tokens) per KvCache.append when filling a decode cache, as
+# `qkv bench` does (kFillRows in tools/bench.cpp).
+FILL_ROWS = 4096
 SAMPLE_LINE = (
     '{"suite":"forward","name":"fwd/bf16/B1/H16/N512/D64/window256","impl":"qkv",'
     '"dtype":"bf16","B":1,"Hq":16,"Hkv":16,"Nq":512,"Nk":512,"D":64,"causal":true,'
@@ -100,13 +136,30 @@ def parse_records(lines: Iterable[str]) -> list[dict[str, Any]]:
     return records
 
 
-def run_qkv(qkv: Path, suite: str, filter_: str, threads: int,
-            repeats: int) -> list[dict[str, Any]]:
-    """Runs `qkv bench --json` (its progress goes to our stderr) and parses its output."""
+def check_binary(qkv: Path) -> None:
     if not qkv.is_file() or not os.access(qkv, os.X_OK):
         sys.exit(f"compare_torch: no qkv binary at {qkv}\n"
                  "  build it first (cmake --preset release && cmake --build --preset release)"
                  " or pass --qkv PATH")
+
+
+def list_cases(qkv: Path, suite: str, filter_: str) -> list[str]:
+    """The case names `qkv bench --list` selects for this suite and filter."""
+    check_binary(qkv)
+    cmd = [str(qkv), "bench", "--list", "--suite", suite, "--filter", filter_]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not names:
+        sys.exit(f"compare_torch: `{shlex.join(cmd)}` exited with {proc.returncode} and"
+                 f" listed {len(names)} cases (is the filter right?)")
+    return names
+
+
+def run_qkv(qkv: Path, suite: str, filter_: str, threads: int, repeats: int,
+            allow_none: bool = False) -> list[dict[str, Any]]:
+    """Runs `qkv bench --json` (its progress goes to our stderr) and parses its output;
+    no records is an error unless allow_none (a case that qkv bench skipped)."""
+    check_binary(qkv)
     cmd = [str(qkv), "bench", "--json", "--suite", suite, "--filter", filter_,
            "--threads", str(threads), "--repeats", str(repeats)]
     print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
@@ -116,7 +169,7 @@ def run_qkv(qkv: Path, suite: str, filter_: str, threads: int,
                  " (does this qkv binary have the `bench` subcommand and this --suite?"
                  " is the filter right?)")
     records = parse_records(proc.stdout.splitlines())
-    if not records:
+    if not records and not allow_none:
         sys.exit("compare_torch: qkv bench printed no impl == \"qkv\" records")
     return records
 
@@ -289,8 +342,83 @@ def time_torch(torch: Any, rec: dict[str, Any], threads: int, repeats: int) -> f
         lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), repeats)
 
 
-def self_test(torch: Any, threads: int, repeats: int) -> None:
-    """Checks the JSON parsing and the window mask, then times one small torch case."""
+def time_package(torch: Any, qkv: Any, rec: dict[str, Any], threads: int,
+                 repeats: int) -> float | None:
+    """Median seconds of qkv's Python package on the shape of one qkv bench record:
+    qkv.attention (forward), qkv.attention_backward (backward, the gradients alone) or
+    qkv.decode_attention (decode) on torch tensors; None for a "modules" record."""
+    suite = rec.get("suite")
+    if suite == "modules":
+        return None
+    torch.set_num_threads(threads)
+    qkv.set_num_threads(threads)
+    dtype = torch_dtype(torch, rec["dtype"])
+    b, hq, hkv, nq, nk, d = (rec[key] for key in ("B", "Hq", "Hkv", "Nq", "Nk", "D"))
+    gen = torch.Generator().manual_seed(20240501)
+
+    def make(n: int, h: int, dtype: Any = dtype) -> Any:  # uniform [-1, 1), [B, N, H, D]
+        return (torch.rand(b, n, h, d, generator=gen) * 2 - 1).to(dtype)
+
+    if suite == "decode":
+        cache = qkv.KvCache(b, hkv, d, capacity=nk, dtype=CACHE_DTYPES[rec["cache_dtype"]])
+        chunk = max(1, FILL_ROWS // b)
+        for start in range(0, nk, chunk):  # f32 rows, rounded once by append()
+            n = min(chunk, nk - start)
+            cache.append(make(n, hkv, torch.float32), make(n, hkv, torch.float32))
+        q = make(nq, hq)
+        with torch.inference_mode():
+            return median_seconds(lambda: qkv.decode_attention(q, cache), repeats)
+    q, k, v = make(nq, hq), make(nk, hkv), make(nk, hkv)
+    left, right = rec.get("window", [-1, -1])
+    kwargs: dict[str, Any] = {"causal": bool(rec["causal"]), "window": (left, right)}
+    if suite != "backward":
+        with torch.inference_mode():
+            return median_seconds(lambda: qkv.attention(q, k, v, **kwargs), repeats)
+    forward = qkv.attention(q, k, v, return_lse=True, **kwargs)
+    out, lse = forward.out, forward.lse
+    dout = make(nq, hq)
+    return median_seconds(
+        lambda: qkv.attention_backward(q, k, v, out, dout, lse, **kwargs), repeats)
+
+
+def package_test(torch: Any, qkv: Any) -> None:
+    """Checks that the package calls time_package() makes compute what torch's SDPA does
+    on the same [B, N, H, D] tensors: a window, bottom-right causal cross attention,
+    the gradients and grouped decode against a KvCache."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.rand(1, 40, 2, 8, generator=gen) * 2 - 1 for _ in range(3))
+    kt = k.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    m = window_mask(torch, 40, 40, True, 5, 0)
+    want = sdpa(q.transpose(1, 2), kt, v.transpose(1, 2), attn_mask=m).transpose(1, 2)
+    got = qkv.attention(q, k, v, causal=True, window=(5, 0))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    m = window_mask(torch, 7, 40, True, -1, -1)
+    want = sdpa(q[:, :7].transpose(1, 2), kt, v.transpose(1, 2), attn_mask=m).transpose(1, 2)
+    got = qkv.attention(q[:, :7], k, v, causal=True, window=(-1, -1))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    dout = torch.rand(1, 40, 2, 8, generator=gen) * 2 - 1
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True).transpose(1, 2)
+    want = torch.autograd.grad(out, leaves, dout)
+    r = qkv.attention(q, k, v, causal=True, window=(-1, -1), return_lse=True)
+    got = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True, window=(-1, -1))
+    for g, w in zip(got[:3], want):
+        assert torch.allclose(g, w, atol=1e-5), (g - w).abs().max()
+    cache = qkv.KvCache(2, 2, 16, capacity=30)
+    k, v = torch.randn(2, 30, 2, 16), torch.randn(2, 30, 2, 16)
+    cache.append(k[:, :17], v[:, :17])
+    cache.append(k[:, 17:], v[:, 17:])
+    q = torch.randn(2, 1, 8, 16)
+    want = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    got = qkv.decode_attention(q, cache)
+    assert torch.allclose(got, want.transpose(1, 2), atol=1e-5), (got - want).abs().max()
+    print("self-test: qkv's package agrees with torch SDPA (window, cross, gradients, decode)")
+
+
+def self_test(torch: Any, qkv: Any, threads: int, repeats: int) -> None:
+    """Checks the JSON parsing and the window mask, then times small torch cases (and,
+    with qkv's package, checks and times it on the same cases)."""
     recs = parse_records(['{"suite":"probe","peak_gflops":100,"threads":2,"target":"AVX2"}',
                           SAMPLE_LINE, SAMPLE_LINE.replace('"impl":"qkv"', '"impl":"naive"'),
                           "qkv bench: progress text", SAMPLE_BACKWARD_LINE, SAMPLE_DECODE_LINE])
@@ -326,6 +454,8 @@ def self_test(torch: Any, threads: int, repeats: int) -> None:
     got = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     print("self-test: JSON parsing, window masks, gradients and grouped decode OK")
+    if qkv is not None:
+        package_test(torch, qkv)
     rec = json.loads(SAMPLE_LINE) | {"name": "fwd/f32/B1/H16/N512/D64/full", "dtype": "f32",
                                      "causal": False, "window": [-1, -1]}
     backward_rec = rec | {"suite": "backward", "name": "bwd/f32/B1/H16/N512/D64/full"}
@@ -334,6 +464,9 @@ def self_test(torch: Any, threads: int, repeats: int) -> None:
         seconds = time_torch(torch, r, threads, repeats)
         print(f"self-test: torch {torch.__version__} SDPA {r['name']}: {seconds * 1e3:.3f} ms "
               f"(median of {repeats}, {threads} threads)")
+        if qkv is not None:
+            seconds = time_package(torch, qkv, r, threads, repeats)
+            print(f"self-test: qkv package {r['name']}: {seconds * 1e3:.3f} ms")
     q_name, kv_name = decode_dtypes(torch, decode_rec)
     print(f"self-test: decode against an f16 cache runs torch with q {q_name}, k/v {kv_name}")
 
@@ -342,6 +475,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--qkv", type=Path, default=DEFAULT_QKV,
                         help=f"qkv binary (default: {DEFAULT_QKV.relative_to(REPO_ROOT)})")
+    parser.add_argument("--qkv-via", choices=QKV_VIA, default="package",
+                        help="package: time each case through the C++ bench, qkv's Python"
+                        " package and torch in turn; binary: the C++ bench alone, one run"
+                        " over all cases (default: package)")
     parser.add_argument("--suite", choices=SUITES, default="forward",
                         help="qkv bench suite: forward, backward, decode, all or modules"
                         " (default: forward)")
@@ -353,7 +490,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per case")
     parser.add_argument("--self-test", action="store_true",
                         help="check parsing, masks, gradients and grouped decode, time three"
-                        " small torch cases; no qkv needed")
+                        " small torch cases (and the package, with --qkv-via package);"
+                        " no qkv binary needed")
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1:
         parser.error("--threads and --repeats must be positive")
@@ -363,34 +501,82 @@ def main() -> None:
     except ImportError:
         sys.exit("compare_torch: torch is not installed: "
                  "python3 -m pip install -r bench/requirements.txt")
+    qkv = None
+    if args.qkv_via == "package":
+        try:
+            import qkv
+        except ImportError as e:
+            sys.exit(f"compare_torch: qkv's Python package does not import ({e}):"
+                     " python3 -m pip install -e . (or pass --qkv-via binary)")
     if args.self_test:
-        self_test(torch, args.threads, args.repeats)
+        self_test(torch, qkv, args.threads, args.repeats)
         return
 
-    records = run_qkv(args.qkv, args.suite, args.filter, args.threads, args.repeats)
-    width = max(len(r["name"]) for r in records)
+    if qkv is None:
+        records = run_qkv(args.qkv, args.suite, args.filter, args.threads, args.repeats)
+        names = [r["name"] for r in records]
+    else:  # each case's C++ run just before its package and torch runs
+        names = list_cases(args.qkv, args.suite, args.filter)
+    width = max(len(name) for name in names)
     if not args.json:
-        print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} runs")
-        decode = any(r.get("suite") == "decode" for r in records)
-        print(f"{'name':<{width}}  {'qkv ms':>10}  {'torch ms':>10}  {'speedup':>8}"
-              + ("  torch dtypes" if decode else ""))
-    for rec in records:
+        print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} runs"
+              + (f", qkv {qkv.__version__} package and C++ bench" if qkv else ""))
+        decode = any(name.startswith("dec/") for name in names)
+        if qkv is None:
+            print(f"{'name':<{width}}  {'qkv ms':>10}  {'torch ms':>10}  {'speedup':>8}"
+                  + ("  torch dtypes" if decode else ""))
+        else:
+            print(f"{'name':<{width}}  {'C++ ms':>10}  {'package ms':>10}  {'torch ms':>10}  "
+                  f"{'torch/pkg':>9}  {'torch/C++':>9}  {'parity':>6}"
+                  + ("  torch dtypes" if decode else ""))
+    for i, name in enumerate(names):
+        if qkv is None:
+            rec = records[i]
+        else:
+            recs = run_qkv(args.qkv, args.suite, f"^{re.escape(name)}$", args.threads,
+                           args.repeats, allow_none=True)
+            if not recs:  # a decode cache that does not fit in memory, for one
+                print(f"compare_torch: qkv bench skipped {name}", file=sys.stderr, flush=True)
+                continue
+            rec = recs[0]
+        package_seconds = None
+        if qkv is not None:
+            package_seconds = time_package(torch, qkv, rec, args.threads, args.repeats)
         torch_seconds = time_torch(torch, rec, args.threads, args.repeats)
         qkv_seconds = float(rec["seconds"])
         speedup = torch_seconds / qkv_seconds
+        package_speedup = parity = None
+        if package_seconds is not None:
+            package_speedup = torch_seconds / package_seconds
+            parity = qkv_seconds / package_seconds  # (torch / package) / (torch / C++)
         # Decode: the dtypes torch ran, which may differ from qkv's f32 query.
         dtypes = decode_dtypes(torch, rec) if rec.get("suite") == "decode" else None
         if args.json:
             result = {"name": rec["name"], "qkv_seconds": qkv_seconds,
                       "torch_seconds": torch_seconds, "speedup": speedup,
-                      "threads": args.threads, "torch_version": torch.__version__}
+                      "threads": args.threads, "torch_version": torch.__version__,
+                      "qkv_via": args.qkv_via}
+            if qkv is not None:
+                result |= {"package_seconds": package_seconds,
+                           "package_speedup": package_speedup, "parity": parity}
             if dtypes:
                 result |= {"torch_q_dtype": dtypes[0], "torch_kv_dtype": dtypes[1]}
             print(json.dumps(result), flush=True)
-        else:
+        elif qkv is None:
             note = f"  q {dtypes[0]}, k/v {dtypes[1]}" if dtypes else ""
             print(f"{rec['name']:<{width}}  {qkv_seconds * 1e3:10.3f}  "
                   f"{torch_seconds * 1e3:10.3f}  {speedup:7.2f}x{note}", flush=True)
+        else:
+            note = f"  q {dtypes[0]}, k/v {dtypes[1]}" if dtypes else ""
+            if package_seconds is None:
+                print(f"{rec['name']:<{width}}  {qkv_seconds * 1e3:10.3f}  {'-':>10}  "
+                      f"{torch_seconds * 1e3:10.3f}  {'-':>9}  {speedup:8.2f}x  {'-':>6}{note}",
+                      flush=True)
+            else:
+                print(f"{rec['name']:<{width}}  {qkv_seconds * 1e3:10.3f}  "
+                      f"{package_seconds * 1e3:10.3f}  {torch_seconds * 1e3:10.3f}  "
+                      f"{package_speedup:8.2f}x  {speedup:8.2f}x  {parity:6.3f}{note}",
+                      flush=True)
 
 
 if __name__ == "__main__":
