@@ -315,6 +315,48 @@ TEST(Flash, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+// A unit's scratch is sized from the largest unit and key range of the
+// call, so a short sequence runs in a small tile alone and in a large one
+// beside a long sequence: its rows must come out the same to the bit.
+TEST(Flash, ScratchSizeChangesNoBit) {
+  constexpr std::int64_t kShort = 5, kLong = 700;
+  const Inputs x = make_inputs(1, kShort + kLong, kShort + kLong, 6, 2, 40, 24, DType::f32, 73);
+  const std::int64_t cu[] = {0, kShort, kShort + kLong};
+  AttentionOptions o;
+  o.backend = qkv::Backend::fast;
+  o.causal = true;
+  o.return_lse = true;
+  AttentionOptions packed = o;
+  packed.cu_seqlens_q = cu;
+  packed.cu_seqlens_k = cu;
+  const auto both = qkv::attention(x.q, x.k, x.v, packed);
+  const ConstTensorView q = x.q.view().slice(1, 0, kShort), k = x.k.view().slice(1, 0, kShort),
+                        v = x.v.view().slice(1, 0, kShort);
+  const auto alone = qkv::attention(q, k, v, o);
+  const Tensor dout = random_tensor(DType::f32, {1, kShort + kLong, 6, 24}, 74);
+  const auto grads_both = qkv::attention_backward(x.q, x.k, x.v, both.out, dout, both.lse, packed);
+  const auto grads_alone =
+      qkv::attention_backward(q, k, v, alone.out, dout.view().slice(1, 0, kShort), alone.lse, o);
+  // Rows [0, kShort) of dimension `dim` of a (packed) result against `alone`.
+  auto same_rows = [](const Tensor& packed_result, const Tensor& single, int dim) {
+    const ConstTensorView p = packed_result.view().slice(dim, 0, kShort), s = single.view();
+    for (std::int64_t a = 0; a < s.size(0); ++a)
+      for (std::int64_t b = 0; b < s.size(1); ++b)
+        for (std::int64_t c = 0; c < s.size(2); ++c)
+          for (std::int64_t d = 0; d < (s.rank() > 3 ? s.size(3) : 1); ++d) {
+            const bool equal = s.rank() > 3 ? p.get({a, b, c, d}) == s.get({a, b, c, d})
+                                            : p.get({a, b, c}) == s.get({a, b, c});
+            if (!equal) return false;
+          }
+    return true;
+  };
+  EXPECT_TRUE(same_rows(both.out, alone.out, 1));
+  EXPECT_TRUE(same_rows(both.lse, alone.lse, 2));
+  EXPECT_TRUE(same_rows(grads_both.dq, grads_alone.dq, 1));
+  EXPECT_TRUE(same_rows(grads_both.dk, grads_alone.dk, 1));
+  EXPECT_TRUE(same_rows(grads_both.dv, grads_alone.dv, 1));
+}
+
 TEST(Flash, EveryHighwayTargetThisCpuRuns) {
   const Inputs x = make_inputs(2, 45, 130, 4, 2, 36, 20, DType::f32, 81);
   AttentionOptions o;

@@ -437,8 +437,11 @@ inline TileShape ShapeOf(const FlashPlan& plan) {
   const std::int64_t nr = PanelWidth();
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
   TileShape t;
-  t.rows_pad = RoundUp(std::max<std::int64_t>(p.group() * plan.positions_per_unit, 1), nr);
-  t.keys = std::max<std::int64_t>(plan.config.keys, 1);
+  t.rows_pad = RoundUp(std::max<std::int64_t>(p.group() * plan.max_positions, 1), nr);
+  // Key capacity: a block's keys, or all of the longest sequence's when
+  // fewer (rounded up to whole cache lines of slack for vector loops).
+  t.keys = std::max<std::int64_t>(
+      std::min(plan.config.keys, RoundUp(std::max<std::int64_t>(plan.max_key_rows, 1), 64)), 1);
   t.dk = std::max({p.dq, p.dk, std::int64_t{1}});
   t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), ValueWidth());
   t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);

@@ -181,6 +181,8 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
   for (std::int64_t s = 0; s < problem.sequences; ++s) {
     const detail::SequenceExtent seq = problem.sequence(s, options);
     const std::int64_t seq_blocks = (seq.nk_rows + plan.config.keys - 1) / plan.config.keys;
+    plan.max_key_rows = std::max(plan.max_key_rows, seq.nk_rows);
+    plan.max_positions = std::max(plan.max_positions, std::min(plan.positions_per_unit, seq.nq));
     for (std::int64_t hkv = 0; hkv < problem.hkv; ++hkv) {
       const auto head_begin = static_cast<std::int64_t>(plan.units.size());
       for (std::int64_t i0 = 0; i0 < seq.nq; i0 += plan.positions_per_unit) {

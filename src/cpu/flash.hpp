@@ -55,6 +55,11 @@ struct FlashPlan {
   TensorView row_max, row_sum;
   FlashConfig config;
   std::int64_t positions_per_unit = 0;
+  // The largest unit (positions) and key range (rows of K of one sequence):
+  // scratch is sized from these, so a small problem neither allocates nor
+  // clears a full tile.
+  std::int64_t max_positions = 0;
+  std::int64_t max_key_rows = 0;
   std::vector<Unit> units;  // grouped by (sequence, KV head), positions ascending
   std::vector<Task> tasks;
   // Per unit, per key block (empty when no bool mask, mask_mod or sparse

@@ -232,7 +232,6 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   const std::int64_t rows = g.rows();
   const std::int64_t rows_pad = shape.rows_pad;
   const std::int64_t rows_used = RoundUp(rows, PanelWidth());
-  const std::int64_t bk = plan.config.keys;
 
   // Only the keys each row sees are computed (the rest are masked).
   const bool pattern_cut = o.sparse.defined() && mask_partial;
@@ -292,7 +291,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   float* dq = b.dq.get();
   std::fill_n(dq, rows_pad * dk_pad, 0.0f);
   AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
-                   bk * ValueWidth(), dk_pad, dq, dk_pad);
+                   shape.keys * ValueWidth(), dk_pad, dq, dk_pad);
   // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout;
   // the columns up to Dq rounded to the vector, which both rows have.
   float* partial = bp.dq_partial + task.chunk * p.batch * p.nq * p.hq * bp.dq_ld;
@@ -344,11 +343,11 @@ inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
     const std::int64_t kj0 = kb * bk;
     const std::int64_t kcols = std::min(bk, head.seq.nk_rows - kj0);
     PackRows(plan.k, head.seq, kj0, kcols, first.hkv, p.dk, b.k_rows.get());
-    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, dk_pad, b.k_cols.get(), bk * ValueWidth(),
-             b.pack_row.get());
+    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, dk_pad, b.k_cols.get(),
+             shape.keys * ValueWidth(), b.pack_row.get());
     PackRows(plan.v, head.seq, kj0, kcols, first.hkv, shape.dv_pad, b.v_rows.get());
-    std::fill_n(b.dk.get(), bk * dk_pad, 0.0f);
-    std::fill_n(b.dv.get(), bk * shape.dv_pad, 0.0f);
+    std::fill_n(b.dk.get(), shape.keys * dk_pad, 0.0f);
+    std::fill_n(b.dv.get(), shape.keys * shape.dv_pad, 0.0f);
     for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {
       const Unit& u = plan.units[static_cast<std::size_t>(ui)];
       const UnitGeometry g = GeometryOf(plan, u);
