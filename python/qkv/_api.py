@@ -162,6 +162,11 @@ def _options(
     return o
 
 
+# Options are never changed once built: calls with every option at its
+# default share this one.
+_DEFAULT_OPTIONS = _options()
+
+
 def _shape(x: Any, name: str, rank: int) -> Tuple[int, ...]:
     shape = tuple(x.shape)
     if len(shape) != rank:
@@ -219,13 +224,23 @@ def attention(
     Returns out, or AttentionResult(out, lse, probs) when return_lse or
     return_probs (the one not asked for is None).
     """
-    o = _options(
-        scale=scale, score=score, additive=additive, causal=causal, align=align,
-        window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
-        rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
-    )
+    if (
+        scale is None and score == "scaled_dot" and additive is None and causal is False
+        and align == "bottom_right" and window is None and key_lengths is None
+        and cu_seqlens_q is None and cu_seqlens_k is None and mask is None
+        and alibi_slopes is None and rel_bias is None and softcap == 0.0 and sparse is None
+        and dropout_p == 0.0 and dropout_seed == 0 and dropout_offset == 0
+        and backend == "automatic"
+    ):
+        o = _DEFAULT_OPTIONS  # every option at its default: nothing to convert
+    else:
+        o = _options(
+            scale=scale, score=score, additive=additive, causal=causal, align=align,
+            window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
+            rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
+        )
     return attention_with(q, k, v, o, return_lse=return_lse, return_probs=return_probs)
 
 

@@ -30,9 +30,32 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+# torch.utils.dlpack.to_dlpack and torch.strided, once a tensor has come by.
+_to_dlpack: Any = None
+_strided: Any = None
+
+
+def _torch_capsule(x: Any, name: str) -> Any:
+    """A DLPack capsule of CPU tensor x: the same memory, any strides. (The
+    capsule, not x itself: Tensor.__dlpack__ costs microseconds of Python
+    checks per call, which a small attention call would mostly spend there.)"""
+    global _to_dlpack, _strided
+    if _to_dlpack is None:
+        from torch.utils.dlpack import to_dlpack
+
+        _to_dlpack, _strided = to_dlpack, torch_module().strided
+    if not x.is_cpu:
+        raise ValueError(f"{name}: expected a CPU tensor, got device '{x.device}'")
+    if x.layout is not _strided:
+        raise ValueError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
+    if x.is_neg():  # a lazily negated view: DLPack would hand over the un-negated memory
+        x = x.resolve_neg()
+    return _to_dlpack(x)  # autograd's graph is not involved: like x.detach()
+
+
 def native(x: Any, name: str) -> Any:
-    """x as the native module takes it: a NumPy array or a detached CPU tensor
-    (the same memory). Raises TypeError for anything else."""
+    """x as the native module takes it: a NumPy array, or a DLPack capsule of
+    a CPU tensor (the same memory). Raises TypeError for anything else."""
     if isinstance(x, np.ndarray):
         if BFLOAT16 is not None and x.dtype == BFLOAT16:
             return x.view(np.uint16)  # the bits; the native side reads them as bfloat16
@@ -43,9 +66,7 @@ def native(x: Any, name: str) -> Any:
             )
         return x
     if is_torch(x):
-        if x.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU tensor, got device '{x.device}'")
-        return x.detach()
+        return _torch_capsule(x, name)
     raise TypeError(
         f"{name}: expected a NumPy array or a PyTorch tensor, got {type(x).__name__}"
     )
@@ -69,10 +90,12 @@ def _numpy_dtype(like: np.ndarray, kind: str):
 
 
 def empty(like: Any, shape: Sequence[int], kind: str = "same") -> Any:
-    """An uninitialized array of the same kind as `like`: `kind` "same" takes
-    its dtype, "stat" float32 (float64 for float64 inputs), the dtype of lse
-    and probabilities."""
+    """An uninitialized array of the same kind as `like` (on the CPU): `kind`
+    "same" takes its dtype, "stat" float32 (float64 for float64 inputs), the
+    dtype of lse and probabilities."""
     if is_torch(like):
+        if kind == "same" and like.is_cpu:
+            return like.new_empty(tuple(shape))
         return torch_module().empty(tuple(shape), dtype=_torch_dtype(like, kind))
     return np.empty(tuple(shape), dtype=_numpy_dtype(like, kind))
 

@@ -109,6 +109,19 @@ def test_strided_views_match_contiguous():
     assert np.array_equal(qt, q)  # inputs untouched
 
 
+def test_tensor_views_are_read_as_torch_reads_them():
+    # A lazily negated view (torch._neg_view, as autograd makes for some
+    # formulas) shares memory with un-negated data; a tensor that requires
+    # grad is read like its detach().
+    q, k, v = (torch.from_numpy(x) for x in problem())
+    expected = qkv.attention(-q, k, v, causal=True)
+    negated = torch._neg_view(q)
+    assert negated.is_neg()
+    assert torch.equal(qkv.attention(negated, k, v, causal=True), expected)
+    leaf = (-q).requires_grad_()
+    assert torch.equal(qkv.attention(leaf, k, v, causal=True), expected)
+
+
 def test_inputs_are_not_copied():
     # q of 8 MiB in a transposed layout; the call may allocate its output
     # (B Nq Hq Dv floats, 256 KiB here) and small metadata, not a copy of q.
