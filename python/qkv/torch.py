@@ -29,9 +29,8 @@ from . import _ops
 __all__ = ["scaled_dot_product_attention"]
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(f"scaled_dot_product_attention: {message}")
+def _fail(message: str) -> None:
+    raise ValueError(f"scaled_dot_product_attention: {message}")
 
 
 def _mask_4d(mask: Tensor, batch_shape, heads: int, length: int, source: int) -> Tensor:
@@ -39,8 +38,8 @@ def _mask_4d(mask: Tensor, batch_shape, heads: int, length: int, source: int) ->
     rank-4 [B, H or 1, L or 1, S or 1] tensor (a view unless batch dims
     must merge)."""
     full_rank = len(batch_shape) + 3
-    _check(mask.dim() <= full_rank,
-           f"attn_mask: expected at most {full_rank} dimensions, got {mask.dim()}")
+    if mask.dim() > full_rank:
+        _fail(f"attn_mask: expected at most {full_rank} dimensions, got {mask.dim()}")
     mask = mask.reshape((1,) * (full_rank - mask.dim()) + tuple(mask.shape))
     if len(batch_shape) == 1:
         return mask
@@ -69,34 +68,37 @@ def scaled_dot_product_attention(
     for query i when j <= i (top-left alignment) and excludes attn_mask.
     scale defaults to 1 / sqrt(E). dropout_p drops weights on every call.
     """
-    if not all(t.device.type == "cpu" for t in (query, key, value)):
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
-    _check(query.dim() >= 3 and key.dim() == query.dim() and value.dim() == query.dim(),
-           f"expected query, key and value of the same rank >= 3, got shapes "
-           f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
-    batch_shape = tuple(query.shape[:-3])
-    _check(tuple(key.shape[:-3]) == batch_shape and tuple(value.shape[:-3]) == batch_shape,
-           f"expected equal leading dimensions, got shapes {list(query.shape)}, "
-           f"{list(key.shape)}, {list(value.shape)}")
+    # Messages are formatted only for a failed check: this runs on every call.
+    rank = query.dim()
+    if rank < 3 or key.dim() != rank or value.dim() != rank:
+        _fail(f"expected query, key and value of the same rank >= 3, got shapes "
+              f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+        _fail(f"expected equal leading dimensions, got shapes {list(query.shape)}, "
+              f"{list(key.shape)}, {list(value.shape)}")
     hq, length, _ = query.shape[-3:]
     hkv, source, _ = key.shape[-3:]
-    _check(value.shape[-3] == hkv and value.shape[-2] == source,
-           f"value: expected shape [..., {hkv}, {source}, Ev], got {list(value.shape)}")
+    if value.shape[-3] != hkv or value.shape[-2] != source:
+        _fail(f"value: expected shape [..., {hkv}, {source}, Ev], got {list(value.shape)}")
     if enable_gqa:
-        _check(hkv > 0 and hq % hkv == 0,
-               f"enable_gqa: the key/value heads ({hkv}) must divide the query heads ({hq})")
-    else:
-        _check(hq == hkv, f"query has {hq} heads and key {hkv}; pass enable_gqa=True for "
-                          "grouped-query attention")
-    _check(not (is_causal and attn_mask is not None),
-           "attn_mask must not be given with is_causal=True")
-    _check(0.0 <= dropout_p < 1.0, f"dropout_p: expected a value in [0, 1), got {dropout_p}")
+        if hkv <= 0 or hq % hkv != 0:
+            _fail(f"enable_gqa: the key/value heads ({hkv}) must divide the query heads ({hq})")
+    elif hq != hkv:
+        _fail(f"query has {hq} heads and key {hkv}; pass enable_gqa=True for grouped-query "
+              "attention")
+    if is_causal and attn_mask is not None:
+        _fail("attn_mask must not be given with is_causal=True")
+    if not 0.0 <= dropout_p < 1.0:
+        _fail(f"dropout_p: expected a value in [0, 1), got {dropout_p}")
 
     # [..., H, N, D] -> qkv's [B, N, H, D]: a view (leading dims merge by a
     # view too unless the caller's strides forbid it).
-    b = math.prod(batch_shape) if batch_shape else 1
+    b = math.prod(batch_shape)
 
     def to_qkv(t: Tensor) -> Tensor:
         return t.reshape(b, *t.shape[-3:]).transpose(1, 2)
