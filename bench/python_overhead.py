@@ -11,9 +11,11 @@ the same values:
   torch_sdpa_grad      the same with inputs that require grad (autograd records
                        the graph; no backward runs)
   torch_sdpa_compiled  torch.compile(fullgraph=True) of a function calling it
-  qkv_native           the native function under qkv.attention with its options
-                       built once and the output allocated once: the C++ call
-                       (and nanobind's argument conversion) alone
+  qkv_native           the native function under qkv.attention, given DLPack
+                       capsules of the tensors as qkv.attention hands them over
+                       (torch.utils.dlpack.to_dlpack), with its options built
+                       once and the output allocated once: the C++ call and
+                       nanobind's argument conversion
   qkv_attention        qkv.attention(q, k, v) on [B, N, H, D] tensors: the
                        plain function path (no torch.library op, no autograd)
   qkv_attention_lse    qkv.attention(q, k, v, return_lse=True): what the
@@ -44,15 +46,18 @@ qkv.attention's own Python (qkv_attention - qkv_native); autograd recording
 
 --backend picks torch.compile's backend: inductor (the default; it needs a
 C++ compiler) or aot_eager; "auto" tries inductor and falls back to
-aot_eager. The backend used is printed. Threads: --threads for both torch
-and qkv (qkv follows torch.set_num_threads).
+aot_eager. The backend used is printed. Threads: torch's default (qkv
+follows torch.get_num_threads()); --threads N calls torch.set_num_threads(N)
+and qkv.set_num_threads(N) first. Calling torch.set_num_threads, even with
+the count torch already uses, makes torch's own small SDPA call slower on
+some machines (on the 2-core test VM: 13 us -> 24 us), so compare within
+one setting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -120,7 +125,8 @@ def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
 
     options = _api._options()  # qkv.attention's defaults
     out = torch.empty(b, n, h, d)
-    _qkv.attention_into(q, k, v, out, None, None, options)
+    capsule = torch.utils.dlpack.to_dlpack  # one per tensor per call: nanobind consumes it
+    _qkv.attention_into(capsule(q), capsule(k), capsule(v), capsule(out), None, None, options)
     assert torch.allclose(out.transpose(1, 2), want, atol=1e-5)
 
     impls = {
@@ -128,7 +134,8 @@ def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
         "torch_sdpa": lambda: sdpa(qt, kt, vt),
         "torch_sdpa_grad": lambda: sdpa(qg, kg, vg),
         "torch_sdpa_compiled": lambda: torch_compiled(qt, kt, vt),
-        "qkv_native": lambda: _qkv.attention_into(q, k, v, out, None, None, options),
+        "qkv_native": lambda: _qkv.attention_into(
+            capsule(q), capsule(k), capsule(v), capsule(out), None, None, options),
         "qkv_attention": lambda: qkv.attention(q, k, v),
         "qkv_attention_lse": lambda: qkv.attention(q, k, v, return_lse=True),
         "qkv_op": lambda: _ops.attention(q, k, v),
@@ -176,14 +183,15 @@ def main() -> None:
                         help="timed calls per implementation and round (default: 1000)")
     parser.add_argument("--warmup", type=int, default=1000,
                         help="untimed calls per implementation first (default: 1000)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="threads for both qkv and torch (default: usable cores)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="set this many threads for both qkv and torch (default: torch's "
+                        "default, untouched)")
     parser.add_argument("--backend", choices=BACKENDS, default="inductor",
                         help="torch.compile backend (default: inductor)")
     parser.add_argument("--json", action="store_true", help="one JSON object per implementation")
     args = parser.parse_args()
     if min(args.batch, args.heads, args.seq, args.dim, args.rounds, args.calls,
-           args.threads) < 1 or args.warmup < 0:
+           1 if args.threads is None else args.threads) < 1 or args.warmup < 0:
         parser.error("sizes, --rounds, --calls and --threads must be positive")
 
     try:
@@ -193,8 +201,11 @@ def main() -> None:
     except ImportError as e:
         sys.exit(f"python_overhead: needs torch and qkv's package ({e}): "
                  "python3 -m pip install -r bench/requirements.txt && python3 -m pip install -e .")
-    torch.set_num_threads(args.threads)
-    qkv.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        qkv.set_num_threads(args.threads)
+    threads = f"{torch.get_num_threads()} threads" + (
+        " (set)" if args.threads is not None else " (torch's default)")
     impls, backend = make_impls(torch, qkv, args.batch, args.heads, args.seq, args.dim,
                                 args.backend)
     samples = measure(impls, args.rounds, args.calls, args.warmup)
@@ -219,14 +230,15 @@ def main() -> None:
     }
     shape = f"B={args.batch} H={args.heads} N={args.seq} D={args.dim} float32"
     if args.json:
-        common = {"shape": [args.batch, args.heads, args.seq, args.dim], "threads": args.threads,
+        common = {"shape": [args.batch, args.heads, args.seq, args.dim],
+                  "threads": torch.get_num_threads(), "threads_set": args.threads is not None,
                   "rounds": args.rounds, "calls": args.calls, "compile_backend": backend,
                   "torch_version": torch.__version__}
         for name, s in stats.items():
             print(json.dumps({"name": name} | s | common))
         print(json.dumps({"name": "differences"} | costs | common))
         return
-    print(f"torch {torch.__version__}, qkv {qkv.__version__}, {shape}, {args.threads} threads, "
+    print(f"torch {torch.__version__}, qkv {qkv.__version__}, {shape}, {threads}, "
           f"{args.rounds} rounds x {args.calls} calls, torch.compile backend {backend}")
     width = max(len(name) for name in stats)
     print(f"{'name':<{width}}  {'min us':>8}  {'median us':>9}  {'/ torch_sdpa':>12}  "
