@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "core/validate.hpp"
+#include "api/validate.hpp"
 #include "error_bound.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "core/validate.hpp"
+#include "api/validate.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/targets.h"
 #include "reference/attention.hpp"

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "core/philox.hpp"
-#include "core/validate.hpp"
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "attention_checks.hpp"
-#include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/targets.h"
 #include "reference/attention.hpp"

@@ -34,7 +34,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/linear.hpp"
+#include "api/validate.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/targets.h"
 #include "reference/linear.hpp"

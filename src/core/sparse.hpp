@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "core/validate.hpp"
+#include "core/problem.hpp"
 #include "qkv/sparse.hpp"
 
 namespace qkv::detail {

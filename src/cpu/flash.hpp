@@ -6,7 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/validate.hpp"
+#include "core/problem.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/flex.hpp"
 
 namespace qkv::cpu {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/linear.hpp"
+#include "core/linear_problem.hpp"
 
 namespace qkv::cpu {
 

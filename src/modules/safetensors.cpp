@@ -23,7 +23,6 @@
 
 #include "core/checks.hpp"
 #include "core/elements.hpp"
-#include "core/validate.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {

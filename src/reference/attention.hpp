@@ -3,7 +3,7 @@
 // path is tested against it.
 #pragma once
 
-#include "core/validate.hpp"
+#include "core/problem.hpp"
 #include "qkv/attention.hpp"
 
 namespace qkv::reference {

@@ -4,7 +4,7 @@
 // against central finite differences of the reference forward.
 #pragma once
 
-#include "core/validate.hpp"
+#include "core/problem.hpp"
 #include "qkv/backward.hpp"
 
 namespace qkv::reference {

@@ -4,7 +4,7 @@
 // is tested against it.
 #pragma once
 
-#include "core/linear.hpp"
+#include "core/linear_problem.hpp"
 
 namespace qkv::reference {
 

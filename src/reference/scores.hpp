@@ -13,7 +13,7 @@
 
 #include "core/elements.hpp"
 #include "core/philox.hpp"
-#include "core/validate.hpp"
+#include "core/problem.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/positional.hpp"
 

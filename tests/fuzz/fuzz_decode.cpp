@@ -15,7 +15,7 @@
 // cached keys (computed in double), and is bitwise the same for another
 // thread count and for the allocating call; apply_rope_backward undoes
 // apply_rope.
-#include "core/validate.hpp"
+#include "api/validate.hpp"
 #include "fuzz_common.hpp"
 #include "reference/attention.hpp"
 

@@ -12,7 +12,7 @@
 // meets the tolerance policy against the reference in double
 // (reference::naive_linear_attention as the naive computation), and every
 // fast result is bitwise the same on another thread count.
-#include "core/linear.hpp"
+#include "api/validate.hpp"
 #include "fuzz_common.hpp"
 #include "reference/linear.hpp"
 

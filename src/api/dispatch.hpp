@@ -4,6 +4,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/flex.hpp"
+#include "qkv/linear.hpp"
 
 namespace qkv::detail {
 
@@ -20,6 +21,13 @@ inline bool use_fast_kernels(const AttentionOptions& o, DType dtype, bool suppor
       return dtype != DType::f64 && supported;
   }
   return false;
+}
+
+// Linear attention: the fast kernels run for Backend::fast, or
+// Backend::automatic with f32, bf16 or f16 inputs.
+inline bool use_fast_linear(const LinearAttentionOptions& options, DType dtype) {
+  return options.backend == Backend::fast ||
+         (options.backend == Backend::automatic && dtype != DType::f64);
 }
 
 // The options' score_mod and mask_mod as std::function calls, one per

@@ -1,7 +1,7 @@
 // Each check_* function looks at one aspect of a call and appends a reason per
 // problem (argument, expected, actual). Checks run even after earlier ones
 // fail, unless they depend on a shape that is already known to be wrong.
-#include "core/validate.hpp"
+#include "api/validate.hpp"
 
 #include <cmath>
 #include <limits>
@@ -331,24 +331,6 @@ void check_alibi(const AttentionOptions& o, std::int64_t hq, std::int64_t sequen
       break;
     }
   }
-}
-
-SequenceExtent AttentionProblem::sequence(std::int64_t s, const AttentionOptions& o) const {
-  SequenceExtent e;
-  if (varlen) {
-    const auto i = static_cast<std::size_t>(s);
-    e.q_begin = o.cu_seqlens_q[i];
-    e.nq = o.cu_seqlens_q[i + 1] - e.q_begin;
-    e.k_begin = o.cu_seqlens_k[i];
-    e.nk_rows = o.cu_seqlens_k[i + 1] - e.k_begin;
-    e.batch = 0;
-  } else {
-    e.nq = nq;
-    e.nk_rows = nk;
-    e.batch = s;
-  }
-  e.nk = o.key_lengths.empty() ? e.nk_rows : o.key_lengths[static_cast<std::size_t>(s)];
-  return e;
 }
 
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,

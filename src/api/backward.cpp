@@ -1,10 +1,10 @@
 // Entry points of qkv::attention_backward: validate, allocate, dispatch once.
 #include "qkv/backward.hpp"
 
-#include "core/dispatch.hpp"
+#include "api/dispatch.hpp"
+#include "api/validate.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
-#include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
 #include "reference/backward.hpp"

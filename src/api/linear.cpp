@@ -1,14 +1,14 @@
 // Entry points of linear attention: validate (every problem gathered into one
 // qkv::Error), allocate, dispatch once to the reference or the fast kernels.
-#include "core/linear.hpp"
+#include "cpu/linear.hpp"
 
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "api/dispatch.hpp"
+#include "api/validate.hpp"
 #include "core/elements.hpp"
-#include "core/validate.hpp"
-#include "cpu/linear.hpp"
 #include "reference/linear.hpp"
 
 namespace qkv {
@@ -150,11 +150,6 @@ LinearProblem check_linear_inputs(ConstTensorView q, ConstTensorView k, ConstTen
   check_inputs(q, k, v, options, p, r);
   throw_if(r);
   return p;
-}
-
-bool use_fast_linear(const LinearAttentionOptions& options, DType dtype) {
-  return options.backend == Backend::fast ||
-         (options.backend == Backend::automatic && dtype != DType::f64);
 }
 
 }  // namespace detail

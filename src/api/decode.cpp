@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "core/elements.hpp"
-#include "core/validate.hpp"
 #include "cpu/decode.hpp"
 
 namespace qkv {

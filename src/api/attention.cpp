@@ -1,9 +1,9 @@
 // Entry points of qkv::attention: validate, allocate, dispatch once.
 #include "qkv/attention.hpp"
 
-#include "core/dispatch.hpp"
+#include "api/dispatch.hpp"
+#include "api/validate.hpp"
 #include "core/sparse.hpp"
-#include "core/validate.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
 #include "reference/attention.hpp"

@@ -1,6 +1,6 @@
-// Validation of linear attention calls (named checks that append reasons,
-// gathered into one qkv::Error) and the resolved geometry that the reference
-// and the fast kernels consume.
+// The resolved geometry of a linear attention call, which validation
+// (api/validate.hpp) produces and the reference and the fast kernels
+// consume, and the states a causal pass starts from and reports.
 #pragma once
 
 #include <cstdint>
@@ -33,13 +33,5 @@ struct LinearStates {
   ConstTensorView s_in, z_in;
   TensorView s_out, z_out;
 };
-
-// Checks q, k, v and the options; throws qkv::Error listing every problem.
-LinearProblem check_linear_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                                  const LinearAttentionOptions& options);
-
-// True when the call runs the fast kernels: Backend::fast, or
-// Backend::automatic with f32, bf16 or f16 inputs.
-bool use_fast_linear(const LinearAttentionOptions& options, DType dtype);
 
 }  // namespace qkv::detail
