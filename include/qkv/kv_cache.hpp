@@ -20,34 +20,10 @@
 #include <span>
 #include <vector>
 
+#include "qkv/positional.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
-
-// Rotary position embedding (RoPE, Su et al. 2021) of a head vector x at
-// position p: pairs (x_a, x_b) rotate by angle p * base^(-2i / rotary_dim)
-// for pair i; half-split pairs (i, i + rotary_dim / 2) (GPT-NeoX, Llama) or
-// interleaved pairs (2i, 2i + 1) (GPT-J, the original paper). Elements past
-// rotary_dim are left alone.
-struct RopeConfig {
-  double base = 10000.0;        // frequency base (> 1)
-  bool interleaved = false;     // pairs (2i, 2i + 1) instead of (i, i + rotary_dim / 2)
-  std::int64_t rotary_dim = 0;  // leading elements rotated (even); 0 = the whole head
-};
-
-// Rotates x [B, n, H, D] in place: row t of sequence b sits at position
-// start_positions[b] + t (start_positions has B entries). Computed in double,
-// rounded once to x's dtype (f32, f64, f16, bf16). Throws qkv::Error on bad
-// shapes or configuration.
-void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
-                const RopeConfig& rope);
-
-// The gradient of apply_rope, in place: given grad = dLoss/dy [B, n, H, D] for
-// y = apply_rope(x), overwrites it with dLoss/dx, the transposed rotation of
-// each head vector, which is the rotation by minus the angle (so it also
-// undoes apply_rope). Same arguments, computation and checks as apply_rope.
-void apply_rope_backward(TensorView grad, std::span<const std::int64_t> start_positions,
-                         const RopeConfig& rope);
 
 // Shape and storage of a KvCache.
 struct KvCacheConfig {

@@ -1,4 +1,4 @@
-// The key/value cache and rotary position embedding. Every mutating call
+// The key/value cache. Every mutating call
 // validates all of its input, the room needed in the cache included, before
 // it writes anything, so a call that throws leaves the cache as it was.
 #include "qkv/kv_cache.hpp"
@@ -18,173 +18,23 @@
 
 #include "core/checks.hpp"
 #include "core/elements.hpp"
+#include "core/positional.hpp"
+#include "core/rows.hpp"
 
 namespace qkv {
 namespace {
 
+using detail::at;
+using detail::copy_row_for;
+using detail::CopyRow;
+using detail::load_row_for;
+using detail::LoadRow;
 using detail::Reasons;
+using detail::Rotation;
+using detail::store_row_for;
+using detail::StoreRow;
 using detail::throw_if;
 using std::to_string;
-
-// ---- element conversion ----------------------------------------------------
-
-template <class T>
-double widen(T x) {
-  if constexpr (std::is_same_v<T, f16> || std::is_same_v<T, bf16>) {
-    return to_float(x);
-  } else {
-    return static_cast<double>(x);
-  }
-}
-
-// Rounds once (RNE) to T.
-template <class T>
-T narrow(double x) {
-  if constexpr (std::is_same_v<T, f16>) {
-    return to_f16(x);
-  } else if constexpr (std::is_same_v<T, bf16>) {
-    return to_bf16(x);
-  } else {
-    return static_cast<T>(x);
-  }
-}
-
-// Row kernels over n elements, chosen once per call so that the element loops
-// carry no dtype switch: copy (src strided, dst contiguous), load into double
-// and store from double (dst strided).
-using CopyRow = void (*)(const void* src, std::int64_t stride, void* dst, std::int64_t n);
-using LoadRow = void (*)(const void* src, std::int64_t stride, double* out, std::int64_t n);
-using StoreRow = void (*)(const double* in, void* dst, std::int64_t stride, std::int64_t n);
-
-template <class S, class D>
-void copy_row(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
-  const auto* s = static_cast<const S*>(src);
-  auto* d = static_cast<D*>(dst);
-  for (std::int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<S, D>) {
-      d[i] = s[i * stride];  // already in the storage format: nothing to round
-    } else {
-      d[i] = narrow<D>(widen(s[i * stride]));
-    }
-  }
-}
-
-template <class T>
-void load_row(const void* src, std::int64_t stride, double* out, std::int64_t n) {
-  const auto* s = static_cast<const T*>(src);
-  for (std::int64_t i = 0; i < n; ++i) out[i] = widen(s[i * stride]);
-}
-
-template <class T>
-void store_row(const double* in, void* dst, std::int64_t stride, std::int64_t n) {
-  auto* d = static_cast<T*>(dst);
-  for (std::int64_t i = 0; i < n; ++i) d[i * stride] = narrow<T>(in[i]);
-}
-
-template <class T>
-struct Type {
-  using type = T;
-};
-
-// Calls f(Type<T>{}) for the element type T of a floating dtype (validation
-// has ruled out bool before any of these run).
-template <class F>
-decltype(auto) visit_floating(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::f64:
-      return f(Type<double>{});
-    case DType::f16:
-      return f(Type<f16>{});
-    case DType::bf16:
-      return f(Type<bf16>{});
-    default:
-      return f(Type<float>{});
-  }
-}
-
-CopyRow copy_row_for(DType src, DType dst) {
-  return visit_floating(src, [&](auto s) {
-    return visit_floating(dst, [&](auto d) -> CopyRow {
-      return &copy_row<typename decltype(s)::type, typename decltype(d)::type>;
-    });
-  });
-}
-
-LoadRow load_row_for(DType dtype) {
-  return visit_floating(dtype,
-                        [](auto t) -> LoadRow { return &load_row<typename decltype(t)::type>; });
-}
-
-StoreRow store_row_for(DType dtype) {
-  return visit_floating(dtype,
-                        [](auto t) -> StoreRow { return &store_row<typename decltype(t)::type>; });
-}
-
-const std::byte* at(const void* data, DType dtype, std::int64_t offset) {
-  return static_cast<const std::byte*>(data) +
-         offset * static_cast<std::int64_t>(dtype_size(dtype));
-}
-std::byte* at(void* data, DType dtype, std::int64_t offset) {
-  return static_cast<std::byte*>(data) + offset * static_cast<std::int64_t>(dtype_size(dtype));
-}
-
-// ---- RoPE ------------------------------------------------------------------
-
-std::int64_t resolved_rotary_dim(const RopeConfig& rope, std::int64_t head_dim) {
-  return rope.rotary_dim == 0 ? head_dim : rope.rotary_dim;
-}
-
-// The rotation of one position, applied to head vectors held in double.
-class Rotation {
- public:
-  Rotation(const RopeConfig& rope, std::int64_t head_dim)
-      : half_(resolved_rotary_dim(rope, head_dim) / 2),
-        interleaved_(rope.interleaved),
-        inv_freq_(static_cast<std::size_t>(half_)),
-        cos_(inv_freq_.size()),
-        sin_(inv_freq_.size()) {
-    const auto rotary_dim = static_cast<double>(2 * half_);
-    for (std::int64_t i = 0; i < half_; ++i) {
-      inv_freq_[i] = std::pow(rope.base, -static_cast<double>(2 * i) / rotary_dim);
-    }
-  }
-
-  std::int64_t rotary_dim() const { return 2 * half_; }
-
-  void set_position(std::int64_t position) {
-    for (std::int64_t i = 0; i < half_; ++i) {
-      const double angle = static_cast<double>(position) * inv_freq_[i];
-      cos_[i] = std::cos(angle);
-      sin_[i] = std::sin(angle);
-    }
-  }
-
-  // Rotates the first rotary_dim() elements of x by the current position.
-  void rotate(double* x) const { turn(x, 1.0); }
-  // The transposed rotation, which is its inverse: turns back by the angle.
-  void rotate_back(double* x) const { turn(x, -1.0); }
-
- private:
-  std::int64_t half_;
-  bool interleaved_;
-  std::vector<double> inv_freq_;   // [rotary_dim / 2]: base^(-2i / rotary_dim)
-  std::vector<double> cos_, sin_;  // [rotary_dim / 2] at the current position
-
-  // Each pair (a, b) turns by the angle times `direction` (+1 or -1).
-  void turn(double* x, double direction) const {
-    for (std::int64_t i = 0; i < half_; ++i) {
-      const std::int64_t ia = interleaved_ ? 2 * i : i;
-      const std::int64_t ib = interleaved_ ? 2 * i + 1 : i + half_;
-      const double a = x[ia];
-      const double b = x[ib];
-      const double s = direction * sin_[i];
-      x[ia] = a * cos_[i] - b * s;
-      x[ib] = a * s + b * cos_[i];
-    }
-  }
-};
-
-// ---- argument checks -------------------------------------------------------
 
 std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch) {
   return std::string(op) + ": unknown sequence " + to_string(b) + " (batch is " + to_string(batch) +
@@ -192,81 +42,6 @@ std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch)
 }
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
-
-// Checks a call of apply_rope (or its backward, whose tensor is `name`),
-// listing every problem. x is rotated in place, so it is checked as an
-// output: no two of its indices may address the same element.
-void check_rope_call(const char* name, TensorView x, std::span<const std::int64_t> start_positions,
-                     const RopeConfig& rope) {
-  Reasons r;
-  detail::Aliasing in_place;
-  if (!detail::check_output(name, x, {.rank = 4, .layout = "[B, n, H, D]", .floating = true},
-                            in_place, r)) {
-    detail::check_rope(rope, -1, "D", r);
-    throw_if(r);
-  }
-  detail::check_rope(rope, x.size(3), "D", r);
-  const std::int64_t batch = x.size(0);
-  const std::int64_t n = x.size(1);
-  if (static_cast<std::int64_t>(start_positions.size()) != batch) {
-    r.push_back("start_positions: expected one position per sequence (B = " + to_string(batch) +
-                "), got " + to_string(start_positions.size()));
-  } else {
-    for (std::size_t b = 0; b < start_positions.size(); ++b) {
-      const std::int64_t p = start_positions[b];
-      if (p < 0) {
-        r.push_back("start_positions[" + to_string(b) + "]: expected a position >= 0, got " +
-                    to_string(p));
-      } else if (n > 0 && p > std::numeric_limits<std::int64_t>::max() - (n - 1)) {
-        r.push_back("start_positions[" + to_string(b) + "]: " + to_string(p) + " + " +
-                    to_string(n - 1) + " (its last row) overflows int64");
-      }
-    }
-  }
-  throw_if(r);
-}
-
-// Turns every head vector of a validated x [B, n, H, D] by its position's
-// rotation (`back`: by the transposed rotation).
-void rotate_heads(TensorView x, std::span<const std::int64_t> start_positions,
-                  const RopeConfig& rope, bool back) {
-  Rotation rotation(rope, x.size(3));
-  const std::int64_t rotary_dim = rotation.rotary_dim();
-  const LoadRow load = load_row_for(x.dtype());
-  const StoreRow store = store_row_for(x.dtype());
-  std::vector<double> row(static_cast<std::size_t>(rotary_dim));
-  for (std::int64_t b = 0; b < x.size(0); ++b) {
-    for (std::int64_t t = 0; t < x.size(1); ++t) {
-      rotation.set_position(start_positions[b] + t);
-      for (std::int64_t h = 0; h < x.size(2); ++h) {
-        void* head = at(x.data(), x.dtype(), b * x.stride(0) + t * x.stride(1) + h * x.stride(2));
-        load(head, x.stride(3), row.data(), rotary_dim);
-        if (back) {
-          rotation.rotate_back(row.data());
-        } else {
-          rotation.rotate(row.data());
-        }
-        store(row.data(), head, x.stride(3), rotary_dim);
-      }
-    }
-  }
-}
-
-}  // namespace
-
-void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
-                const RopeConfig& rope) {
-  check_rope_call("x", x, start_positions, rope);
-  rotate_heads(x, start_positions, rope, false);
-}
-
-void apply_rope_backward(TensorView grad, std::span<const std::int64_t> start_positions,
-                         const RopeConfig& rope) {
-  check_rope_call("grad", grad, start_positions, rope);
-  rotate_heads(grad, start_positions, rope, true);
-}
-
-namespace {
 
 // What a mutating call may touch, gathered so that the shared steps below can
 // work on a KvCache's private state.

@@ -1,11 +1,95 @@
 #include "qkv/positional.hpp"
 
 #include <cmath>
+#include <limits>
 #include <string>
 
+#include "core/checks.hpp"
 #include "core/elements.hpp"
+#include "core/positional.hpp"
+#include "core/rows.hpp"
 
 namespace qkv {
+namespace detail {
+
+void rotate_heads(TensorView x, std::span<const std::int64_t> start_positions,
+                  const RopeConfig& rope, bool back) {
+  Rotation rotation(rope, x.size(3));
+  const std::int64_t rotary_dim = rotation.rotary_dim();
+  const LoadRow load = load_row_for(x.dtype());
+  const StoreRow store = store_row_for(x.dtype());
+  std::vector<double> row(static_cast<std::size_t>(rotary_dim));
+  for (std::int64_t b = 0; b < x.size(0); ++b) {
+    for (std::int64_t t = 0; t < x.size(1); ++t) {
+      rotation.set_position(start_positions[b] + t);
+      for (std::int64_t h = 0; h < x.size(2); ++h) {
+        void* head = at(x.data(), x.dtype(), b * x.stride(0) + t * x.stride(1) + h * x.stride(2));
+        load(head, x.stride(3), row.data(), rotary_dim);
+        if (back) {
+          rotation.rotate_back(row.data());
+        } else {
+          rotation.rotate(row.data());
+        }
+        store(row.data(), head, x.stride(3), rotary_dim);
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::Reasons;
+using detail::throw_if;
+using std::to_string;
+
+// Checks a call of apply_rope (or its backward, whose tensor is `name`),
+// listing every problem. x is rotated in place, so it is checked as an
+// output: no two of its indices may address the same element.
+void check_rope_call(const char* name, TensorView x, std::span<const std::int64_t> start_positions,
+                     const RopeConfig& rope) {
+  Reasons r;
+  detail::Aliasing in_place;
+  if (!detail::check_output(name, x, {.rank = 4, .layout = "[B, n, H, D]", .floating = true},
+                            in_place, r)) {
+    detail::check_rope(rope, -1, "D", r);
+    throw_if(r);
+  }
+  detail::check_rope(rope, x.size(3), "D", r);
+  const std::int64_t batch = x.size(0);
+  const std::int64_t n = x.size(1);
+  if (static_cast<std::int64_t>(start_positions.size()) != batch) {
+    r.push_back("start_positions: expected one position per sequence (B = " + to_string(batch) +
+                "), got " + to_string(start_positions.size()));
+  } else {
+    for (std::size_t b = 0; b < start_positions.size(); ++b) {
+      const std::int64_t p = start_positions[b];
+      if (p < 0) {
+        r.push_back("start_positions[" + to_string(b) + "]: expected a position >= 0, got " +
+                    to_string(p));
+      } else if (n > 0 && p > std::numeric_limits<std::int64_t>::max() - (n - 1)) {
+        r.push_back("start_positions[" + to_string(b) + "]: " + to_string(p) + " + " +
+                    to_string(n - 1) + " (its last row) overflows int64");
+      }
+    }
+  }
+  throw_if(r);
+}
+
+}  // namespace
+
+void apply_rope(TensorView x, std::span<const std::int64_t> start_positions,
+                const RopeConfig& rope) {
+  check_rope_call("x", x, start_positions, rope);
+  detail::rotate_heads(x, start_positions, rope, false);
+}
+
+void apply_rope_backward(TensorView grad, std::span<const std::int64_t> start_positions,
+                         const RopeConfig& rope) {
+  check_rope_call("grad", grad, start_positions, rope);
+  detail::rotate_heads(grad, start_positions, rope, true);
+}
 
 Tensor sinusoidal_positions(std::int64_t n, std::int64_t d, double base, DType dtype) {
   std::vector<std::string> reasons;
