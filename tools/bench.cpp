@@ -30,9 +30,9 @@
 #include "bandwidth_probe.hpp"
 #include "bench_common.hpp"
 #include "bench_naive.hpp"
-#include "cpu/flash.hpp"
 #include "peak_probe.hpp"
 #include "qkv/decode.hpp"
+#include "qkv/internal/kernels.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/qkv.hpp"
 
@@ -399,7 +399,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
 #endif
   Probes probes{.peak = probe_fma_peak(options.threads), .bandwidth = {}};
-  const char* target = cpu::flash_target();
+  const char* target = internal::kernel_target();
   int name_width = 0;
   int runs = 0;
   for (const Case& c : cases) {
@@ -482,8 +482,9 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
     } else if (c.pass == Pass::forward) {
       impls.push_back({"qkv", [&] { attention_into(q, k, v, {.out = o}, attention_options); }});
       if (c.naive) {
-        impls.push_back(
-            {"naive", [&] { naive_attention(q, k, v, o, attention_options, options.threads); }});
+        impls.push_back({"naive", [&] {
+                           materialized_attention(q, k, v, o, attention_options, options.threads);
+                         }});
       }
       outputs = {{"out", o}};
     } else {
@@ -499,8 +500,8 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                        }});
       if (c.naive) {
         impls.push_back({"naive", [&] {
-                           naive_attention_backward(q, k, v, o, dout, lse, dq, dk, dv,
-                                                    attention_options, options.threads);
+                           materialized_attention_backward(q, k, v, o, dout, lse, dq, dk, dv,
+                                                           attention_options, options.threads);
                          }});
       }
       outputs = {{"dq", dq}, {"dk", dk}, {"dv", dv}};

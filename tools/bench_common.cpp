@@ -12,8 +12,8 @@
 #include <malloc.h>
 #endif
 
-#include "cpu/flash.hpp"
 #include "qkv/dtype.hpp"
+#include "qkv/internal/kernels.hpp"
 
 namespace qkv::tools {
 namespace {
@@ -107,7 +107,7 @@ std::string probe_line(const PeakProbe& peak, const BenchOptions& options,
   std::snprintf(line, sizeof line,
                 "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); kernels: %s; median "
                 "of %d runs, each case against the probes around it\n",
-                peak.gflops, peak.target, peak.threads, cpu::flash_target(), options.repeats);
+                peak.gflops, peak.target, peak.threads, internal::kernel_target(), options.repeats);
   return line + columns;
 }
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/flash.hpp"
+#include "qkv/internal/kernels.hpp"
 
 namespace qkv::tools {
 namespace {
@@ -62,7 +62,7 @@ float softmax_row(float* row, std::int64_t n, KeyRange keys) {
     return 0.0f;
   }
   for (std::int64_t j = 0; j < n; ++j) row[j] -= max;
-  cpu::exp_row(row, n, row);
+  internal::exp_row(row, n, row);
   return 1.0f / row_sum(row, n);
 }
 
@@ -103,7 +103,7 @@ void store_head(const float* src, TensorView t, std::int64_t b, std::int64_t h) 
   auto* dst = static_cast<std::byte*>(t.data()) + (b * t.stride(0) + h * t.stride(2)) * bytes;
   const std::int64_t d = t.size(3);
   for (std::int64_t i = 0; i < t.size(1); ++i) {
-    cpu::store_row(src + i * d, d, dst + i * t.stride(1) * bytes, t.dtype());
+    internal::store_row(src + i * d, d, dst + i * t.stride(1) * bytes, t.dtype());
   }
 }
 
@@ -139,10 +139,10 @@ std::int64_t unmasked_pairs(std::int64_t nq, std::int64_t nk, const AttentionOpt
   return pairs;
 }
 
-void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
-                     const AttentionOptions& options, int threads) {
+void materialized_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                            const AttentionOptions& options, int threads) {
   const DType dtype = q.dtype();
-  check_dtype("naive_attention", dtype);
+  check_dtype("materialized_attention", dtype);
   const std::int64_t batch = q.size(0), nq = q.size(1), hq = q.size(2), d = q.size(3);
   const std::int64_t nk = k.size(1), group = hq / k.size(2);
   const float scale = scale_of(options, d);
@@ -180,12 +180,12 @@ void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, Te
   }
 }
 
-void naive_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                              ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-                              TensorView dq, TensorView dk, TensorView dv,
-                              const AttentionOptions& options, int threads) {
+void materialized_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                     ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+                                     TensorView dq, TensorView dk, TensorView dv,
+                                     const AttentionOptions& options, int threads) {
   const DType dtype = q.dtype();
-  check_dtype("naive_attention_backward", dtype);
+  check_dtype("materialized_attention_backward", dtype);
   const std::int64_t batch = q.size(0), nq = q.size(1), hq = q.size(2), d = q.size(3);
   const std::int64_t nk = k.size(1), hkv = k.size(2), group = hq / hkv;
   const float scale = scale_of(options, d);
@@ -236,7 +236,7 @@ void naive_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorV
           std::fill(row, row + keys.begin, 0.0f);
           std::fill(row + keys.end, row + nk, 0.0f);
           for (std::int64_t j = keys.begin; j < keys.end; ++j) row[j] -= lse_i;
-          cpu::exp_row(row + keys.begin, keys.end - keys.begin, row + keys.begin);
+          internal::exp_row(row + keys.begin, keys.end - keys.begin, row + keys.begin);
         }
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, d, nq, 1.0f, p.get(), nk, dom.data,
                     dom.ld, beta, dv32.data(), d);

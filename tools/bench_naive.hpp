@@ -28,8 +28,8 @@ std::int64_t unmasked_pairs(std::int64_t nq, std::int64_t nk, const AttentionOpt
 // Scratch: Nq * Nk floats per thread. q [B, Nq, Hq, D], k and v [B, Nk, Hkv,
 // D], out [B, Nq, Hq, D], all of one dtype (f32, bf16 or f16) with unit
 // stride in D. Honours options.scale, causal, window_left/right and align.
-void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
-                     const AttentionOptions& options, int threads);
+void materialized_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                            const AttentionOptions& options, int threads);
 
 // The gradients of qkv/backward.hpp the way a framework without a fused
 // kernel computes them: per KV head on `threads` OpenMP threads, for each
@@ -47,9 +47,9 @@ void naive_attention(ConstTensorView q, ConstTensorView k, ConstTensorView v, Te
 // [B, Nk, Hkv, D]; all of one dtype (f32, bf16 or f16) with unit stride in D;
 // lse f32 [B, Hq, Nq]. Honours options.scale, causal, window_left/right and
 // align; no dropout.
-void naive_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                              ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-                              TensorView dq, TensorView dk, TensorView dv,
-                              const AttentionOptions& options, int threads);
+void materialized_attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                     ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+                                     TensorView dq, TensorView dk, TensorView dv,
+                                     const AttentionOptions& options, int threads);
 
 }  // namespace qkv::tools

@@ -16,8 +16,8 @@
 #include "bench.hpp"
 #include "bench_common.hpp"
 #include "bench_naive.hpp"
-#include "core/sparse.hpp"
 #include "peak_probe.hpp"
+#include "qkv/internal/kernels.hpp"
 #include "qkv/linear.hpp"
 #include "qkv/qkv.hpp"
 
@@ -95,14 +95,12 @@ double admitted_pairs(std::int64_t n, const AttentionOptions& o) {
     std::vector<std::uint8_t> keep;
     for (std::int64_t h = 0; h < kHeads; ++h) {
       for (std::int64_t j0 = lo / kTile * kTile; j0 < hi; j0 += kTile) {
-        const detail::PatternTile tile{h, i0, rows, i0, j0, std::min(kTile, n - j0)};
-        const detail::Coverage c = detail::coverage(o.sparse, tile);
-        if (c == detail::Coverage::none) continue;
-        keep.resize(static_cast<std::size_t>(rows * tile.cols));
-        detail::fill_admitted(o.sparse, tile, keep.data());
+        const std::int64_t cols = std::min(kTile, n - j0);
+        keep.resize(static_cast<std::size_t>(rows * cols));
+        if (!internal::admitted_pairs(o.sparse, h, i0, rows, i0, j0, cols, keep.data())) continue;
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t b = std::max(range[r].begin, j0) - j0;
-          const std::int64_t e = std::min(range[r].end, j0 + tile.cols) - j0;
+          const std::int64_t e = std::min(range[r].end, j0 + cols) - j0;
           for (std::int64_t x = b; x < e; ++x) pairs += keep[x * rows + r];
         }
       }

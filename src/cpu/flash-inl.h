@@ -36,8 +36,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows fetched ahead when packing rows of a [B, N, H, D] tensor.
 constexpr std::int64_t kRowsAhead = 8;
-// Per-thread budget for a task's packed keys and values (KvCache).
-constexpr std::int64_t kKvCacheBytes = std::int64_t{16} << 20;
+// Per-thread budget for a task's packed keys and values (PackedKeys).
+constexpr std::int64_t kPackedKeysBytes = std::int64_t{16} << 20;
 
 // Sizes of one thread's scratch, derived from the plan.
 struct TileShape {
@@ -52,7 +52,7 @@ struct TileShape {
 // [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR).
 // Keys [begin, packed) hold data: the task packs them as its units reach
 // them (PackThrough). Null pointers: not cached, pack each block on the fly.
-struct KvCache {
+struct PackedKeys {
   float* k = nullptr;
   float* v = nullptr;
   std::int64_t begin = 0;
@@ -111,7 +111,7 @@ struct Scratch {
 
   hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l, alpha;
   std::vector<KeySpan> row_keys, panel_keys;
-  // A task's keys and values packed once for all its units (see KvCache).
+  // A task's keys and values packed once for all its units (see PackedKeys).
   hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
   std::int64_t cache_capacity = 0;  // floats in each of k_cache and v_cache
   RowPrefetch ahead;                // rows the next unit of the task packs
@@ -393,7 +393,8 @@ inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometr
 // K rows [j0, j0 + cols) of the unit's KV head as f32 [cols][Dk]: from the
 // task's cache, or packed into scratch.
 inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                            const KvCache& cache, std::int64_t j0, std::int64_t cols, Scratch& sc) {
+                            const PackedKeys& cache, std::int64_t j0, std::int64_t cols,
+                            Scratch& sc) {
   const std::int64_t dk = plan.problem->dk;
   if (cache.k != nullptr) return cache.k + (j0 - cache.begin) * dk;
   float* dst = plan.options->score == Score::additive ? sc.v.get() : sc.k.get();
@@ -403,7 +404,7 @@ inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeom
 
 // V rows [j0, j0 + cols) as f32 column panels, from the cache or packed.
 inline ValuePanels ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                             const TileShape& shape, const KvCache& cache, std::int64_t j0,
+                             const TileShape& shape, const PackedKeys& cache, std::int64_t j0,
                              std::int64_t cols, Scratch& sc) {
   if (cache.v != nullptr) {
     return {cache.v + (j0 - cache.begin) * ValueWidth(), cache.v_panel_stride};
@@ -416,7 +417,7 @@ inline ValuePanels ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeo
 // The raw S^T of key block [j0, j0 + cols) into sc.s; with `panel_keys`,
 // only the keys each Q^T panel can see.
 inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                        const TileShape& shape, const KvCache& cache, std::int64_t j0,
+                        const TileShape& shape, const PackedKeys& cache, std::int64_t j0,
                         std::int64_t cols, const KeySpan* panel_keys, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
   const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
@@ -551,7 +552,7 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
 // are masked); otherwise it is null.
 template <class F>
 inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                             const TileShape& shape, const KvCache& cache, Scratch& sc, F&& f) {
+                             const TileShape& shape, const PackedKeys& cache, Scratch& sc, F&& f) {
   const std::int64_t bk = plan.config.keys;
   const BlockSpan span = SpanOf(plan, u, g);
   for (std::int64_t jb = span.begin; jb < span.end; ++jb) {
@@ -591,7 +592,7 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
 // Returns whether every output row and logsumexp of the unit is finite (or
 // -inf: a row without keys).
 inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
-                        const KvCache& cache, Scratch& sc) {
+                        const PackedKeys& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const std::int64_t rows = g.rows();
   const std::int64_t rows_pad = shape.rows_pad;
@@ -706,7 +707,7 @@ inline void ProbabilitiesFromRowStats(const float* HWY_RESTRICT m, const float* 
 // Probabilities of one unit: P = exp(S - m) / l per admitted key, 0
 // elsewhere. Returns true (the forward checked the rows).
 inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
-                              const KvCache& cache, Scratch& sc) {
+                              const PackedKeys& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const std::int64_t rows_pad = shape.rows_pad;
   const TensorView probs = plan.probs;
@@ -754,8 +755,8 @@ inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
 // per-thread budget: consecutive keys of a [B, N, H, D] tensor lie H * D
 // elements apart, so packing them block by block for every unit would
 // re-read every key from a different page each time. Nothing is packed yet.
-inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShape& shape,
-                         Scratch& sc) {
+inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileShape& shape,
+                            Scratch& sc) {
   const Unit& first_unit = plan.units[static_cast<std::size_t>(task.unit_begin)];
   const Unit& last_unit = plan.units[static_cast<std::size_t>(task.unit_end - 1)];
   const BlockSpan first = SpanOf(plan, first_unit, GeometryOf(plan, first_unit));
@@ -765,7 +766,7 @@ inline KvCache CacheTask(const FlashPlan& plan, const Task& task, const TileShap
   const std::int64_t end = std::min(last.end * plan.config.keys, g.seq.nk_rows);
   const std::int64_t n = end - begin;
   const std::int64_t floats = n * std::max(plan.problem->dk, shape.dv_pad);
-  if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kKvCacheBytes) return {};
+  if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kPackedKeysBytes) return {};
   if (floats > sc.cache_capacity) {
     sc.k_cache = AllocFloats(floats);
     sc.v_cache = AllocFloats(floats);
@@ -785,7 +786,7 @@ inline std::int64_t KeysEnd(const FlashPlan& plan, const Unit& u) {
 // sc.ahead at the rows up to `next_end` that the following unit will pack,
 // spread over the calls of Next() that unit u makes (two per key block).
 inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& shape,
-                        std::int64_t end, std::int64_t next_end, KvCache& cache, Scratch& sc) {
+                        std::int64_t end, std::int64_t next_end, PackedKeys& cache, Scratch& sc) {
   const UnitGeometry g = GeometryOf(plan, u);
   const BlockSpan span = SpanOf(plan, u, g);
   const std::int64_t calls = 2 * (span.end - span.begin);
@@ -824,7 +825,7 @@ bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
       const Task& task = plan.tasks[static_cast<std::size_t>(i)];
-      KvCache cache = CacheTask(plan, task, shape, scratch);
+      PackedKeys cache = CacheTask(plan, task, shape, scratch);
       scratch.ahead.rows = 0;
       std::int64_t end = KeysEnd(plan, plan.units[static_cast<std::size_t>(task.unit_begin)]);
       for (std::int64_t u = task.unit_begin; u < task.unit_end; ++u) {
