@@ -38,7 +38,7 @@ struct SweepCase {
 };
 
 // Sizes around tile (64 rows, 256 keys) and vector boundaries, and the head
-// dims DESIGN.md lists.
+// dims docs/architecture.md lists ("Rules the tests rely on").
 const SweepCase kSweep[] = {
     {1, 1, 1, 1, 1},     {1, 300, 8, 1, 64},   {17, 17, 2, 2, 8},    {17, 97, 4, 2, 59},
     {97, 17, 8, 8, 111}, {97, 129, 8, 1, 128}, {64, 257, 2, 1, 256}, {300, 300, 1, 1, 64},

@@ -37,7 +37,8 @@ struct SweepCase {
   std::int64_t nq, nk, hq, hkv, d;
 };
 
-// Sizes around tile and vector boundaries and the head dims DESIGN.md lists.
+// Sizes around tile and vector boundaries and the head dims
+// docs/architecture.md lists ("Rules the tests rely on").
 const SweepCase kSweep[] = {
     {1, 1, 1, 1, 1},      {1, 300, 8, 1, 64},     {17, 17, 2, 2, 8},
     {17, 97, 4, 2, 59},   {97, 17, 8, 8, 111},    {97, 97, 8, 1, 128},

@@ -105,7 +105,7 @@ MultiHeadAttentionConfig config(std::int64_t e, std::int64_t h, std::int64_t hkv
 
 // The f32 module against the exact composition, within 2x the naive f32
 // composition's error plus a floor of a few output roundings (the policy of
-// DESIGN.md section 4).
+// docs/numerics.md, "The tolerance policy").
 void expect_matches_composition(MultiHeadAttention& m, ConstTensorView query, ConstTensorView key,
                                 ConstTensorView value, const MultiHeadAttentionOptions& o,
                                 const AttentionOptions& equivalent, const char* what) {
