@@ -362,22 +362,154 @@ double relative_difference(ConstTensorView qkv, ConstTensorView naive) {
 // yet a wrong scale, mask or operand fails it.
 double check_bound(DType dtype) { return dtype == DType::f32 ? 1e-3 : 3e-2; }
 
-}  // namespace
-
-int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options) {
-  std::regex filter;
+// --filter as a regular expression; throws qkv::Error if it is not one.
+std::regex compile_filter(const BenchOptions& options) {
   try {
-    filter.assign(options.filter);
+    return std::regex(options.filter);
   } catch (const std::regex_error& e) {
     throw Error("bench: --filter '" + options.filter +
                 "' is not a regular expression: " + e.what());
   }
-  if (options.suite == "scaling") return run_scaling_bench(out, progress, options);
-  if (options.suite == "modules") return run_modules_bench(out, progress, options);
+}
+
+// The suite's cases that match the filter (none: an empty list).
+std::vector<Case> select_cases(const BenchOptions& options, const std::regex& filter) {
   std::vector<Case> cases;
   for (Case& c : suite_cases(options)) {
     if (std::regex_search(c.name, filter)) cases.push_back(std::move(c));
   }
+  return cases;
+}
+
+// The first line: the probes of the start of the run (JSON or text).
+void print_probes(std::ostream& out, const BenchOptions& options, const Probes& probes,
+                  const char* target) {
+  const PeakProbe& peak = probes.peak;
+  char header[512];
+  if (options.json) {
+    int length = std::snprintf(header, sizeof header,
+                               "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,"
+                               "\"target\":\"%s\"",
+                               peak.gflops, peak.threads, peak.target);
+    if (probes.bandwidth) {
+      length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                              ",\"probe_bytes_per_second\":%.6g,\"probe_buffer_bytes\":%lld",
+                              probes.bandwidth->bytes_per_second,
+                              static_cast<long long>(probes.bandwidth->buffer_bytes));
+    }
+    out << header << "}" << std::endl;
+    return;
+  }
+  int length = std::snprintf(header, sizeof header,
+                             "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
+                             peak.gflops, peak.target, peak.threads);
+  if (probes.bandwidth) {
+    length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                            "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads); ",
+                            probes.bandwidth->bytes_per_second / 1e9, probes.bandwidth->target,
+                            static_cast<long long>(probes.bandwidth->buffer_bytes >> 20),
+                            probes.bandwidth->threads);
+  }
+  std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                "kernels: %s; median of %d runs, each case against the probes around it", target,
+                options.repeats);
+  out << header << std::endl;
+}
+
+// One case ready to time: its tensors, its implementations and the outputs
+// --check compares. Every tensor is allocated (and touched: Tensor
+// zero-fills) before measure() opens its memory window, so extra_bytes
+// counts scratch only. The implementations refer to the members: a
+// PreparedCase stays where prepare_case built it.
+struct PreparedCase {
+  AttentionOptions attention_options;
+  double flops = 0.0;  // useful flops, credited to every implementation
+  // Backward: the forward's lse, dout and the gradients; decode: the cache.
+  Tensor q, o, k, v, lse, dout, dq, dk, dv;
+  std::optional<KvCache> cache;
+  std::vector<Impl> impls;
+  std::vector<std::pair<std::string_view, TensorView>> outputs;  // compared under --check
+};
+
+// Builds case c into p; returns why the case is skipped (empty: it runs).
+std::string prepare_case(const Case& c, const BenchOptions& options, PreparedCase& p) {
+  std::mt19937 rng(kSeed);
+  p.q = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
+  p.o = Tensor(c.dtype, {c.b, c.nq, c.hq, c.d});
+  p.attention_options = options_of(c);
+  // 4 flops per unmasked pair, head and head dimension forward and decode,
+  // 2.5 times that backward. The naive baselines are credited with the same
+  // useful flops.
+  p.flops = (c.pass == Pass::backward ? 10.0 : 4.0) * static_cast<double>(c.b * c.hq * c.d) *
+            static_cast<double>(unmasked_pairs(c.nq, c.nk, p.attention_options));
+  if (c.pass == Pass::decode) {
+    if (std::string skip = fill_cache(c, rng, p.cache); !skip.empty()) return skip;
+    p.impls.push_back({"qkv", [&p] { decode_attention_into(p.q, *p.cache, p.o); }});
+    return {};
+  }
+  p.k = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
+  p.v = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
+  const int threads = options.threads;
+  if (c.pass == Pass::forward) {
+    p.impls.push_back(
+        {"qkv", [&p] { attention_into(p.q, p.k, p.v, {.out = p.o}, p.attention_options); }});
+    if (c.naive) {
+      p.impls.push_back({"naive", [&p, threads] {
+                           materialized_attention(p.q, p.k, p.v, p.o, p.attention_options, threads);
+                         }});
+    }
+    p.outputs = {{"out", p.o}};
+    return {};
+  }
+  p.lse = Tensor(DType::f32, {c.b, c.hq, c.nq});
+  attention_into(p.q, p.k, p.v, {.out = p.o, .lse = p.lse}, p.attention_options);
+  p.dout = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
+  p.dq = Tensor(c.dtype, {c.b, c.nq, c.hq, c.d});
+  p.dk = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
+  p.dv = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
+  p.impls.push_back({"qkv", [&p] {
+                       attention_backward_into(p.q, p.k, p.v, p.o, p.dout, p.lse,
+                                               {.dq = p.dq, .dk = p.dk, .dv = p.dv},
+                                               p.attention_options);
+                     }});
+  if (c.naive) {
+    p.impls.push_back({"naive", [&p, threads] {
+                         materialized_attention_backward(p.q, p.k, p.v, p.o, p.dout, p.lse, p.dq,
+                                                         p.dk, p.dv, p.attention_options, threads);
+                       }});
+  }
+  p.outputs = {{"dq", p.dq}, {"dk", p.dk}, {"dv", p.dv}};
+  return {};
+}
+
+// --check: the baseline's outputs (just written) against qkv's copies;
+// prints one line and returns whether every output is within the bound.
+bool check_outputs(std::ostream& progress, const Case& c, const PreparedCase& p,
+                   const std::vector<Tensor>& qkv_outputs) {
+  const double bound = check_bound(c.dtype);
+  std::string report = "check " + c.name + ": max |naive - qkv| / max |qkv|:";
+  bool passed = true;
+  for (std::size_t i = 0; i < p.outputs.size(); ++i) {
+    const double difference = relative_difference(qkv_outputs[i], p.outputs[i].second);
+    passed = passed && difference <= bound;
+    char text[64];
+    std::snprintf(text, sizeof text, " %.*s %.2e", static_cast<int>(p.outputs[i].first.size()),
+                  p.outputs[i].first.data(), difference);
+    report += text;
+  }
+  char text[64];
+  std::snprintf(text, sizeof text, " (bound %.0e): %s", bound, passed ? "ok" : "FAILED");
+  progress << report << text << std::endl;
+  return passed;
+}
+
+}  // namespace
+
+int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options) {
+  const std::regex filter = compile_filter(options);
+  if (options.suite == "scaling") return run_scaling_bench(out, progress, options);
+  if (options.suite == "modules") return run_modules_bench(out, progress, options);
+  const std::vector<Case> cases = select_cases(options, filter);
   if (cases.empty()) {
     progress << "qkv bench: no case matches --filter '" << options.filter << "'\n";
     return 1;
@@ -409,38 +541,10 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
       probes.bandwidth = probe_read_bandwidth(options.threads);
     }
   }
-  const PeakProbe& peak = probes.peak;
-  char header[512];
-  if (options.json) {
-    int length = std::snprintf(header, sizeof header,
-                               "{\"suite\":\"probe\",\"peak_gflops\":%.6g,\"threads\":%d,"
-                               "\"target\":\"%s\"",
-                               peak.gflops, peak.threads, peak.target);
-    if (probes.bandwidth) {
-      length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                              ",\"probe_bytes_per_second\":%.6g,\"probe_buffer_bytes\":%lld",
-                              probes.bandwidth->bytes_per_second,
-                              static_cast<long long>(probes.bandwidth->buffer_bytes));
-    }
-    out << header << "}" << std::endl;
-  } else {
-    int length = std::snprintf(header, sizeof header,
-                               "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
-                               peak.gflops, peak.target, peak.threads);
-    if (probes.bandwidth) {
-      length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                              "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads); ",
-                              probes.bandwidth->bytes_per_second / 1e9, probes.bandwidth->target,
-                              static_cast<long long>(probes.bandwidth->buffer_bytes >> 20),
-                              probes.bandwidth->threads);
-    }
-    std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                  "kernels: %s; median of %d runs, each case against the probes around it", target,
-                  options.repeats);
-    out << header << std::endl;
-  }
+  print_probes(out, options, probes, target);
 
-  ProbeBracket peak_bracket([&] { return probe_fma_peak(options.threads).gflops; }, peak.gflops);
+  ProbeBracket peak_bracket([&] { return probe_fma_peak(options.threads).gflops; },
+                            probes.peak.gflops);
   std::optional<ProbeBracket> bandwidth_bracket;
   if (probes.bandwidth) {
     bandwidth_bracket.emplace(
@@ -451,72 +555,22 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
   bool checks_passed = true;
   std::optional<bool> decode_table;  // which table header was printed last
   for (const Case& c : cases) {
-    std::mt19937 rng(kSeed);
-    const Tensor q = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
-    Tensor o(c.dtype, {c.b, c.nq, c.hq, c.d});
-    const AttentionOptions attention_options = options_of(c);
-    // 4 flops per unmasked pair, head and head dimension forward and decode,
-    // 2.5 times that backward. The naive baselines are credited with the same
-    // useful flops.
-    const double flops = (c.pass == Pass::backward ? 10.0 : 4.0) *
-                         static_cast<double>(c.b * c.hq * c.d) *
-                         static_cast<double>(unmasked_pairs(c.nq, c.nk, attention_options));
-
-    // Backward: the forward's lse, dout and the gradients; decode: the filled
-    // cache. Every tensor is allocated (and touched: Tensor zero-fills) before
-    // measure() opens its memory window, so extra_bytes counts scratch only.
-    Tensor k, v, lse, dout, dq, dk, dv;
-    std::optional<KvCache> cache;
-    std::vector<Impl> impls;
-    std::vector<std::pair<std::string_view, TensorView>> outputs;  // compared under --check
-    if (c.pass != Pass::decode) {
-      k = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
-      v = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);
-    } else if (const std::string skip = fill_cache(c, rng, cache); !skip.empty()) {
+    PreparedCase p;
+    if (const std::string skip = prepare_case(c, options, p); !skip.empty()) {
       ++run;
       progress << "[" << run << "/" << runs << "] " << c.name << " skipped: " << skip << std::endl;
       continue;
     }
-    if (c.pass == Pass::decode) {
-      impls.push_back({"qkv", [&] { decode_attention_into(q, *cache, o); }});
-    } else if (c.pass == Pass::forward) {
-      impls.push_back({"qkv", [&] { attention_into(q, k, v, {.out = o}, attention_options); }});
-      if (c.naive) {
-        impls.push_back({"naive", [&] {
-                           materialized_attention(q, k, v, o, attention_options, options.threads);
-                         }});
-      }
-      outputs = {{"out", o}};
-    } else {
-      lse = Tensor(DType::f32, {c.b, c.hq, c.nq});
-      attention_into(q, k, v, {.out = o, .lse = lse}, attention_options);
-      dout = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
-      dq = Tensor(c.dtype, {c.b, c.nq, c.hq, c.d});
-      dk = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
-      dv = Tensor(c.dtype, {c.b, c.nk, c.hkv, c.d});
-      impls.push_back({"qkv", [&] {
-                         attention_backward_into(q, k, v, o, dout, lse,
-                                                 {.dq = dq, .dk = dk, .dv = dv}, attention_options);
-                       }});
-      if (c.naive) {
-        impls.push_back({"naive", [&] {
-                           materialized_attention_backward(q, k, v, o, dout, lse, dq, dk, dv,
-                                                           attention_options, options.threads);
-                         }});
-      }
-      outputs = {{"dq", dq}, {"dk", dk}, {"dv", dv}};
-    }
-
     // qkv's outputs, copied after its runs when --check compares them with
     // the baseline's (outside the baseline's memory window).
     std::vector<Tensor> qkv_outputs;
-    for (const Impl& impl : impls) {
+    for (const Impl& impl : p.impls) {
       ++run;
       progress << (options.live_progress ? "\r" : "") << "[" << run << "/" << runs << "] " << c.name
                << " " << impl.name << " ..." << (options.live_progress ? "\033[K" : "\n")
                << std::flush;
       const Timing timing = measure(impl.run, options.repeats);
-      Row row{&c, impl.name, timing, flops / timing.seconds / 1e9};
+      Row row{&c, impl.name, timing, p.flops / timing.seconds / 1e9};
       if (c.pass == Pass::decode) {
         // Decoding reads memory: probe the bandwidth again; the peak stands.
         row.bytes_per_second = static_cast<double>(cache_bytes(c)) / timing.seconds;
@@ -539,25 +593,11 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
       }
       if (!options.check || !c.naive) continue;
       if (impl.name == "qkv") {
-        for (const auto& [name, view] : outputs) qkv_outputs.push_back(to_dtype(view, c.dtype));
+        for (const auto& [name, view] : p.outputs) qkv_outputs.push_back(to_dtype(view, c.dtype));
         continue;
       }
       // The baseline has run last: compare it with qkv.
-      const double bound = check_bound(c.dtype);
-      std::string report = "check " + c.name + ": max |naive - qkv| / max |qkv|:";
-      bool passed = true;
-      for (std::size_t i = 0; i < outputs.size(); ++i) {
-        const double difference = relative_difference(qkv_outputs[i], outputs[i].second);
-        passed = passed && difference <= bound;
-        char text[64];
-        std::snprintf(text, sizeof text, " %.*s %.2e", static_cast<int>(outputs[i].first.size()),
-                      outputs[i].first.data(), difference);
-        report += text;
-      }
-      char text[64];
-      std::snprintf(text, sizeof text, " (bound %.0e): %s", bound, passed ? "ok" : "FAILED");
-      progress << report << text << std::endl;
-      checks_passed = checks_passed && passed;
+      checks_passed = check_outputs(progress, c, p, qkv_outputs) && checks_passed;
     }
   }
   return checks_passed ? 0 : 3;
