@@ -53,6 +53,8 @@ std::vector<SparsePattern> all_patterns() {
           SparsePattern::strided(6),
           SparsePattern::fixed(8, 2),
           SparsePattern::global_tokens({0, 7, 30}),
+          SparsePattern::prefix(13),
+          SparsePattern::prefix_lm(9),
           layout,
           SparsePattern::window(3, 3) | SparsePattern::global_tokens({2, 40}),
           SparsePattern::strided(5) & SparsePattern::window(20, 0),
@@ -81,6 +83,9 @@ TEST(SparsePattern, ElementDefinitions) {
       EXPECT_EQ(u.admits(0, i, p, j), (d >= -1 && d <= 1) || p == 9 || j == 9);
       const SparsePattern x = SparsePattern::strided(4) & SparsePattern::window(-1, 0);
       EXPECT_EQ(x.admits(0, i, p, j), d >= 0 && (d < 4 || d % 4 == 0));
+      EXPECT_EQ(SparsePattern::prefix(6).admits(0, i, p, j), j < 6);
+      // Prefix LM: every query sees the prefix; past it, keys up to its own position.
+      EXPECT_EQ(SparsePattern::prefix_lm(6).admits(0, i, p, j), j < 6 || j <= p);
     }
   }
   const BlockLayout L = random_layout(2, 6, 5, 8, 1);
@@ -143,7 +148,7 @@ TEST(SparsePattern, CoverageIsExactForSimplePatterns) {
   std::mt19937 gen(5);
   const std::vector<SparsePattern> exact = {
       SparsePattern::window(5, 2), SparsePattern::strided(6),
-      SparsePattern::global_tokens({0, 7, 30}),
+      SparsePattern::global_tokens({0, 7, 30}), SparsePattern::prefix(13),
       SparsePattern::block_sparse(random_layout(1, 8, 8, 8, 9))};
   for (const SparsePattern& pattern : exact) {
     for (int trial = 0; trial < 400; ++trial) {
@@ -216,6 +221,7 @@ TEST_P(SparseSweep, ForwardMatchesReference) {
         SparsePattern::window(32, 32) | SparsePattern::global_tokens({0, 1, 150}),
         SparsePattern::block_sparse(layout),
         SparsePattern::block_sparse(layout) & SparsePattern::window(-1, 0),
+        SparsePattern::prefix_lm(c.nk / 3),
     };
     for (const SparsePattern& pattern : patterns) {
       for (const bool causal : {false, true}) {
@@ -238,7 +244,8 @@ TEST_P(SparseSweep, BackwardMatchesReference) {
   for (const SparsePattern& pattern :
        {SparsePattern::window(30, 0) | SparsePattern::global_tokens({0, 77}),
         SparsePattern::dilated_window(10, 10, 3), SparsePattern::strided(16),
-        SparsePattern::fixed(32, 4), SparsePattern::block_sparse(layout)}) {
+        SparsePattern::fixed(32, 4), SparsePattern::block_sparse(layout),
+        SparsePattern::prefix_lm(70)}) {
     AttentionOptions opt;
     opt.causal =
         pattern.describe().rfind("strided", 0) == 0 || pattern.describe().rfind("fixed", 0) == 0;
@@ -340,6 +347,8 @@ TEST(SparsePattern, InvalidParametersAndLayoutsAreRejected) {
   EXPECT_THROW(SparsePattern::strided(0), qkv::Error);
   EXPECT_THROW(SparsePattern::fixed(8, 9), qkv::Error);
   EXPECT_THROW(SparsePattern::global_tokens({-1}), qkv::Error);
+  EXPECT_THROW(SparsePattern::prefix(-1), qkv::Error);
+  EXPECT_THROW(SparsePattern::prefix_lm(-3), qkv::Error);
   EXPECT_THROW(SparsePattern::block_sparse(BlockLayout{1, 2, 2, 8, {1, 0, 1}}), qkv::Error);
   EXPECT_THROW(SparsePattern::window(1, 1) | SparsePattern(), qkv::Error);
 

@@ -27,6 +27,12 @@
 //                                       one of the last c of its block of l
 //                                       (Sparse Transformer's fixed pattern)
 //   global_tokens(T)                    p in T or j in T (attend to and from all)
+//   prefix(n)                           j < n (the first n keys, seen by every query)
+//   prefix_lm(n)                        prefix(n) | window(-1, 0): bidirectional
+//                                       over a prefix of n keys, causal after it
+//                                       (T5's prefix LM, PaliGemma); use it
+//                                       without options.causal, which would cut
+//                                       the prefix keys after a query
 //   block_sparse(layout)                layout(h, i / bs, j / bs) set (bs the
 //                                       layout's block size; i is the query row)
 //   a | b, or_patterns({...})           admitted by any (FlexAttention or_masks)
@@ -100,6 +106,8 @@ class SparsePattern {
   static SparsePattern strided(std::int64_t stride);
   static SparsePattern fixed(std::int64_t block, std::int64_t summary);
   static SparsePattern global_tokens(std::vector<std::int64_t> tokens);
+  static SparsePattern prefix(std::int64_t length);
+  static SparsePattern prefix_lm(std::int64_t prefix_length);
   static SparsePattern block_sparse(BlockLayout layout);
 
   bool defined() const { return node_ != nullptr; }

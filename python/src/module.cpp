@@ -111,6 +111,8 @@ NB_MODULE(_qkv, m) {
       .def_static("strided", &SparsePattern::strided, "stride"_a)
       .def_static("fixed", &SparsePattern::fixed, "block"_a, "summary"_a)
       .def_static("global_tokens", &SparsePattern::global_tokens, "tokens"_a)
+      .def_static("prefix", &SparsePattern::prefix, "length"_a)
+      .def_static("prefix_lm", &SparsePattern::prefix_lm, "prefix_length"_a)
       .def_static(
           "block_sparse",
           [](nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>

@@ -248,6 +248,19 @@ def test_sparse_window_equals_the_window_option():
     assert "window" in repr(pattern | qkv.SparsePattern.global_tokens([0]))
 
 
+def test_prefix_lm_pattern_is_its_bool_mask():
+    # Bidirectional over the first 5 keys, causal after them (T5's prefix LM).
+    q, k, v = (torch.from_numpy(x) for x in problem(nq=12, nk=14))
+    n, prefix = q.shape[1], 5
+    i, j = np.arange(n)[:, None], np.arange(k.shape[1])[None, :]
+    offset = k.shape[1] - n  # qkv's default bottom-right alignment
+    mask = torch.from_numpy((j < prefix) | (j <= i + offset))
+    pattern = qkv.SparsePattern.prefix_lm(prefix)
+    assert repr(pattern) == "SparsePattern((prefix(5) | window(-1, 0)))"
+    got = qkv.attention(q, k, v, sparse=pattern)
+    assert torch.equal(got, qkv.attention(q, k, v, mask=mask))
+
+
 def test_linear_attention_step_continues_a_causal_prefill():
     q, k, v = (x.astype(np.float64) for x in problem(nq=9, nk=9, hq=2, hkv=2))
     full = qkv.linear_attention(q, k, v, causal=True)

@@ -16,10 +16,20 @@ namespace qkv {
 namespace detail {
 
 struct SparseNode {
-  enum class Kind : std::uint8_t { window, dilated, strided, fixed, global, layout, any, all };
+  enum class Kind : std::uint8_t {
+    window,
+    dilated,
+    strided,
+    fixed,
+    global,
+    prefix,
+    layout,
+    any,
+    all
+  };
   Kind kind = Kind::window;
   // window: left, right; dilated: left, right, dilation; strided: stride;
-  // fixed: block, summary.
+  // fixed: block, summary; prefix: length.
   std::int64_t a = 0, b = 0, c = 0;
   std::vector<std::int64_t> tokens;                         // global: sorted, unique
   BlockLayout layout;                                       // layout
@@ -88,6 +98,8 @@ bool admits(const SparseNode& n, std::int64_t h, std::int64_t i, std::int64_t p,
       return floor_div(p, n.a) == floor_div(j, n.a) || floor_mod(j, n.a) >= n.a - n.b;
     case Kind::global:
       return contains(n.tokens, p) || contains(n.tokens, j);
+    case Kind::prefix:
+      return j < n.a;
     case Kind::layout: {
       const std::int64_t bs = n.layout.block_size;
       return i >= 0 && j >= 0 && i / bs < n.layout.q_blocks && j / bs < n.layout.k_blocks &&
@@ -156,6 +168,9 @@ Coverage coverage_of(const SparseNode& n, const PatternTile& t) {
       if (rows_in == t.rows || keys_in == t.cols) return Coverage::all;
       return rows_in > 0 || keys_in > 0 ? Coverage::some : Coverage::none;
     }
+    case Kind::prefix:
+      if (j1 < n.a) return Coverage::all;
+      return t.j0 >= n.a ? Coverage::none : Coverage::some;
     case Kind::layout: {
       const BlockLayout& L = n.layout;
       const std::int64_t bs = L.block_size;
@@ -242,6 +257,8 @@ KeyInterval span_of(const SparseNode& n, std::int64_t h, std::int64_t i, std::in
       if (first == last) return none;
       return {*first, *(last - 1) + 1};
     }
+    case Kind::prefix:
+      return clip(j0, n.a - 1);
     case Kind::layout: {
       const BlockLayout& L = n.layout;
       const std::int64_t bs = L.block_size, a = i / bs;
@@ -347,6 +364,11 @@ void fill(const SparseNode& n, const PatternTile& t, std::uint8_t* keep) {
       }
       return;
     }
+    case Kind::prefix:
+      for (std::int64_t c = 0; c < t.cols; ++c) {
+        std::fill_n(keep + c * rows, rows, t.j0 + c < n.a ? 1 : 0);
+      }
+      return;
     case Kind::layout: {
       // A run of rows per query block: rows [first, last] of block a.
       const BlockLayout& L = n.layout;
@@ -399,6 +421,8 @@ std::string describe_node(const SparseNode& n) {
       return "fixed(" + num(n.a) + ", " + num(n.b) + ")";
     case Kind::global:
       return "global_tokens(" + num(static_cast<std::int64_t>(n.tokens.size())) + " tokens)";
+    case Kind::prefix:
+      return "prefix(" + num(n.a) + ")";
     case Kind::layout:
       return "block_sparse(" + num(n.layout.heads) + "x" + num(n.layout.q_blocks) + "x" +
              num(n.layout.k_blocks) + " blocks of " + num(n.layout.block_size) + ")";
@@ -576,6 +600,17 @@ SparsePattern SparsePattern::global_tokens(std::vector<std::int64_t> tokens) {
   auto n = make_node(SparseNode::Kind::global);
   n->tokens = std::move(tokens);
   return SparsePattern(n);
+}
+
+SparsePattern SparsePattern::prefix(std::int64_t length) {
+  require(length >= 0, "SparsePattern::prefix: length must be >= 0; got " + std::to_string(length));
+  return SparsePattern(make_node(SparseNode::Kind::prefix, length));
+}
+
+SparsePattern SparsePattern::prefix_lm(std::int64_t prefix_length) {
+  require(prefix_length >= 0, "SparsePattern::prefix_lm: prefix_length must be >= 0; got " +
+                                  std::to_string(prefix_length));
+  return prefix(prefix_length) | window(-1, 0);
 }
 
 SparsePattern SparsePattern::block_sparse(BlockLayout layout) {

@@ -791,7 +791,7 @@ inline BlockLayout fuzz_layout(Input& in, const AttentionCase& c) {
 inline SparsePattern fuzz_pattern(Input& in, const AttentionCase& c, int depth) {
   const std::int64_t rows = longest_sequence(c).first, keys = longest_sequence(c).second;
   SparsePattern p;
-  const std::int64_t kind = in.range(0, depth < 2 ? 7 : 6);
+  const std::int64_t kind = in.range(0, depth < 2 ? 8 : 7);
   accepted("sparse pattern factory", [&] {
     switch (kind) {
       case 0:
@@ -839,6 +839,10 @@ inline SparsePattern fuzz_pattern(Input& in, const AttentionCase& c, int depth) 
         p = SparsePattern::block_sparse(bigbird_layout(b));
         break;
       }
+      case 7:
+        p = in.coin() ? SparsePattern::prefix(in.param(-1, keys + 1))
+                      : SparsePattern::prefix_lm(in.param(-1, keys + 1));
+        break;
       default: {
         const SparsePattern a = fuzz_pattern(in, c, depth + 1);
         const SparsePattern b = fuzz_pattern(in, c, depth + 1);
