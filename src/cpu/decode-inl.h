@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu/decode.hpp"
+#include "cpu/score_mods-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
@@ -344,7 +345,8 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     open_lo = std::max(open_lo, DecodeRange(plan, length, t).lo);
   }
   const std::int64_t open_hi = DecodeRange(plan, length, 0).hi;
-  const bool transform = o.softcap > 0.0 || !o.alibi_slopes.empty();
+  const bool alibi = !o.alibi_slopes.empty();
+  const bool transform = o.softcap > 0.0 || alibi;
 
   // Token j's keys (all KV heads, [Hkv][Dk]) and values ([Hkv][Dv]) are a
   // token's row of the cache, contiguous, so the item streams its range.
@@ -430,13 +432,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
         for (std::int64_t c = 0; c < cols; ++c) {
           const std::int64_t j = j0 + c;
           float& x = s[c * rows_pad + r];
-          if (o.softcap > 0.0) {
-            const auto cap = static_cast<float>(o.softcap);
-            x = cap * std::tanh(x / cap);
-          }
-          if (!o.alibi_slopes.empty()) {
-            x -= slopes[static_cast<std::size_t>(h)] * static_cast<float>(std::llabs(pos - j));
-          }
+          x = ModifyScore(x, o.softcap, alibi, slopes[static_cast<std::size_t>(h)], pos, j);
           if (j < range.lo || j >= range.hi) x = kDecodeNegInf;
         }
       }

@@ -21,6 +21,7 @@
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
+#include "cpu/score_mods-inl.h"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/aligned_allocator.h"
@@ -33,7 +34,6 @@ namespace qkv::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows fetched ahead when packing rows of a [B, N, H, D] tensor.
 constexpr std::int64_t kRowsAhead = 8;
 // Per-thread budget for a task's packed keys and values (PackedKeys).
@@ -124,32 +124,6 @@ struct ValuePanels {
   std::int64_t panel_stride;
 };
 
-// The key range [lo, hi) that causal, window and key lengths leave to the
-// query at position `pos` (hi <= lo: none). Both ends grow with pos.
-struct KeyRange {
-  std::int64_t lo, hi;
-};
-inline KeyRange RangeFor(const AttentionOptions& o, std::int64_t pos, std::int64_t nk) {
-  // Windows may be as wide as int64 allows; positions are below 2^60
-  // (detail::kMaxSequence), so comparing with them first never overflows.
-  std::int64_t lo = 0, hi = nk;
-  if (o.window_left >= 0 && o.window_left < pos) lo = pos - o.window_left;
-  if (o.causal) hi = std::min(hi, pos + 1);
-  if (o.window_right >= 0 && o.window_right < nk - pos) hi = std::min(hi, pos + o.window_right + 1);
-  lo = std::min(lo, nk);
-  return {lo, std::max(hi, lo)};
-}
-
-// Everything a unit needs to address its rows: row g * positions + t is
-// query head hkv * group + g at position i0 + t of sequence seq.
-struct UnitGeometry {
-  detail::SequenceExtent seq;
-  std::int64_t group = 0;
-  std::int64_t positions = 0;
-  std::int64_t offset = 0;  // p_i = i + offset
-  std::int64_t rows() const { return group * positions; }
-};
-
 // Rows [j0, j0 + n) of KV head h as f32 into dst [n][ld]; columns [width, ld)
 // are set to zero. With panel_stride > 0 the rows go instead into column
 // panels of NR = ValueWidth() floats, [ld / NR][panel_stride][NR] (ld a
@@ -229,139 +203,6 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   g.positions = u.positions;
   g.offset = plan.options->align == Align::bottom_right ? g.seq.nk - g.seq.nq : 0;
   return g;
-}
-
-// Adds the biases (softcap, ALiBi, relative bias, float mask) and score_mod
-// to S^T, then (when partial) drops keys outside each query's range and those
-// the bool mask or mask_mod reject. Columns past the unit's rows are ignored
-// later, so they need no care.
-inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                          std::int64_t j0, std::int64_t cols, bool range_partial, bool mask_partial,
-                          float* HWY_RESTRICT s, std::int64_t rows_pad) {
-  const AttentionOptions& o = *plan.options;
-  const detail::AttentionProblem& p = *plan.problem;
-  const hn::ScalableTag<float> d;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  const hn::RebindToSigned<decltype(d)> di;
-  const auto iota = hn::ConvertTo(d, hn::Iota(di, 0));
-
-  if (o.softcap > 0.0) {
-    const auto cap = hn::Set(d, static_cast<float>(o.softcap));
-    const auto inv = hn::Set(d, static_cast<float>(1.0 / o.softcap));
-    for (std::int64_t c = 0; c < cols; ++c) {
-      float* row = s + c * rows_pad;
-      for (std::int64_t r = 0; r < rows_pad; r += lanes) {
-        hn::Store(hn::Mul(cap, hn::Tanh(d, hn::Mul(hn::Load(d, row + r), inv))), d, row + r);
-      }
-    }
-  }
-  const bool float_mask = o.mask.defined() && o.mask.dtype() != DType::boolean;
-  const bool bool_mask = o.mask.defined() && o.mask.dtype() == DType::boolean;
-  const bool per_batch_slopes =
-      !o.alibi_slopes.empty() && static_cast<std::int64_t>(o.alibi_slopes.size()) != p.hq;
-  const std::int64_t width = 2 * plan.relative_radius + 1;
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    const std::int64_t h = u.hkv * g.group + gi;
-    const std::int64_t r0 = gi * g.positions;  // this head's first column
-    // Position of the head's first query on the key axis.
-    const std::int64_t pos0 = u.i0 + g.offset;
-    if (!o.alibi_slopes.empty()) {
-      const float slope =
-          o.alibi_slopes[static_cast<std::size_t>(per_batch_slopes ? u.s * p.hq + h : h)];
-      for (std::int64_t c = 0; c < cols; ++c) {
-        float* row = s + c * rows_pad + r0;
-        // -slope * |p_i - j| for this head's queries, a vector at a time.
-        const std::int64_t first = pos0 - (j0 + c);
-        std::int64_t t = 0;
-        for (; t + lanes <= g.positions; t += lanes) {
-          const auto delta = hn::Add(iota, hn::Set(d, static_cast<float>(first + t)));
-          hn::StoreU(hn::MulAdd(hn::Abs(delta), hn::Set(d, -slope), hn::LoadU(d, row + t)), d,
-                     row + t);
-        }
-        for (; t < g.positions; ++t) row[t] -= slope * static_cast<float>(std::llabs(first + t));
-      }
-    }
-    if (!plan.relative_bias.empty()) {
-      // bias(j - p_i) at index R + j - p_i: decreasing in i, so walk it backwards.
-      const float* table = plan.relative_bias.data() + h * width + plan.relative_radius;
-      for (std::int64_t c = 0; c < cols; ++c) {
-        float* row = s + c * rows_pad + r0;
-        for (std::int64_t t = 0; t < g.positions; ++t) row[t] += table[j0 + c - (pos0 + t)];
-      }
-    }
-    if (float_mask) {
-      const ConstTensorView m = o.mask;
-      const std::int64_t js = detail::mask_key_stride(m);
-      for (std::int64_t t = 0; t < g.positions; ++t) {
-        const std::int64_t base =
-            detail::mask_row_offset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
-        for (std::int64_t c = 0; c < cols; ++c) {
-          s[c * rows_pad + r0 + t] += static_cast<float>(
-              detail::load(m.data(), m.dtype(), base + (g.seq.k_begin + j0 + c) * js));
-        }
-      }
-    }
-    if (plan.mods->score_mod != nullptr) {
-      plan.mods->score_mod(plan.mods->context,
-                           {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
-    }
-    if (range_partial) {
-      // Key j0 + c is open to query i iff lo_i <= j0 + c < hi_i (RangeFor):
-      // each lane's bounds, relative to j0 and clamped to [0, cols], are
-      // small integers, exact in float however long the sequence.
-      HWY_ALIGN float lo_rel[hn::MaxLanes(d)];
-      HWY_ALIGN float hi_rel[hn::MaxLanes(d)];
-      for (std::int64_t t = 0; t < g.positions; t += lanes) {
-        for (std::int64_t x = 0; x < lanes; ++x) {
-          const KeyRange kr = RangeFor(o, pos0 + std::min(t + x, g.positions - 1), g.seq.nk);
-          lo_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.lo - j0, 0, cols));
-          hi_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.hi - j0, 0, cols));
-        }
-        const auto lo = hn::Load(d, lo_rel);
-        const auto hi = hn::Load(d, hi_rel);
-        // Both ends grow with the position, so every query of the vector
-        // keeps the keys from the last one's lo to the first one's hi:
-        // those need no mask.
-        const std::int64_t last = std::min(t + lanes, g.positions) - 1;
-        const auto open_begin = static_cast<std::int64_t>(lo_rel[last - t]);
-        const std::int64_t open_end = std::max(open_begin, static_cast<std::int64_t>(hi_rel[0]));
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (c == open_begin) c = open_end;
-          if (c >= cols) break;
-          const auto j = hn::Set(d, static_cast<float>(c));
-          const auto keep = hn::And(hn::Ge(j, lo), hn::Lt(j, hi));
-          float* x = s + c * rows_pad + r0 + t;
-          // Lanes past this head's queries belong to the next head (or to
-          // padding): leave them as they are.
-          const auto mine = hn::Lt(iota, hn::Set(d, static_cast<float>(g.positions - t)));
-          hn::StoreU(hn::IfThenElse(hn::AndNot(keep, mine), hn::Set(d, kNegInf), hn::LoadU(d, x)),
-                     d, x);
-        }
-      }
-    }
-    if (bool_mask && mask_partial) {
-      const ConstTensorView m = o.mask;
-      const std::int64_t js = detail::mask_key_stride(m);
-      const auto* bits = static_cast<const std::uint8_t*>(m.data());
-      for (std::int64_t t = 0; t < g.positions; ++t) {
-        const std::int64_t base =
-            detail::mask_row_offset(m, g.seq.batch, h, g.seq.q_begin + u.i0 + t);
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (bits[base + (g.seq.k_begin + j0 + c) * js] == 0) s[c * rows_pad + r0 + t] = kNegInf;
-        }
-      }
-    }
-    if (plan.mods->mask_mod != nullptr && mask_partial) {
-      plan.mods->mask_mod(plan.mods->context,
-                          {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
-    }
-    if (o.sparse.defined() && mask_partial) {
-      const detail::PatternTile tile{h, u.i0, g.positions, pos0, j0, cols};
-      if (detail::coverage(o.sparse, tile) != detail::Coverage::all) {
-        detail::mask_rejected(o.sparse, tile, s + r0, 1, rows_pad);
-      }
-    }
-  }
 }
 
 // Dropout of the weights P^T of keys [j0, j0 + cols) for the unit's rows:

@@ -201,22 +201,6 @@ inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry
   }
 }
 
-// Adds dS of the tile to the task's relative bias gradient by distance
-// j - p_i + R (summed over the tile's rows of each head).
-inline void AccumulateBiasGradient(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                                   std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
-                                   const float* HWY_RESTRICT ds, double* HWY_RESTRICT partial) {
-  const std::int64_t width = 2 * plan.relative_radius + 1;
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    double* by_delta = partial + gi * width + plan.relative_radius;
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      const std::int64_t pos = u.i0 + t + g.offset;
-      const float* col = ds + gi * g.positions + t;
-      for (std::int64_t c = 0; c < cols; ++c) by_delta[j0 + c - pos] += col[c * rows_pad];
-    }
-  }
-}
-
 // One (key block, query tile) step: adds to the block's dK, dV and to the
 // chunk's dQ buffer. Keys [j0, j0 + cols) lie `off` keys into the block.
 inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const Unit& u,
@@ -266,18 +250,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   }
   if (bias_partial != nullptr)
     AccumulateBiasGradient(plan, u, g, j0, cols, rows_pad, dp, bias_partial);
-  if (o.softcap > 0.0) {
-    // s = c tanh(raw / c): ds/draw = 1 - tanh^2(raw / c).
-    const auto inv = hn::Set(d, static_cast<float>(1.0 / o.softcap));
-    const auto one = hn::Set(d, 1.0f);
-    for (std::int64_t c = 0; c < cols; ++c) {
-      for (std::int64_t r = 0; r < rows_used; r += lanes) {
-        const auto t = hn::Tanh(d, hn::Mul(hn::Load(d, b.raw.get() + c * rows_pad + r), inv));
-        float* x = dp + c * rows_pad + r;
-        hn::Store(hn::Mul(hn::Load(d, x), hn::NegMulAdd(t, t, one)), d, x);
-      }
-    }
-  }
+  if (o.softcap > 0.0) SoftcapGradient(o.softcap, b.raw.get(), cols, rows_used, rows_pad, dp);
 
   const KeySpan* strip_rows = nullptr;
   if (row_keys != nullptr) {
