@@ -392,17 +392,17 @@ std::vector<std::int64_t> spatial_argmax(const FeatureMap& g, const T* x, const 
   return first;
 }
 
-template <class T>
-void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const T* dy, T* dx) {
-  const CbamWeights<T> w(mod, eps);
-  const detail::ChannelMlp<T> mlp = w.mlp(mod);
-  const CbamState<T> st = all_gates(mod, w, g, x);
-  const std::int64_t B = g.batch, C = g.channels, P = g.pixels, H = g.height, W = g.width;
-  const std::int64_t K = mod.kernel_size(), blocks = detail::pixel_blocks(P);
-  const auto bp = static_cast<std::size_t>(B * P);
+// The steps of cbam_backward, in the order it runs them. Each adds to its
+// parameters' gradients; st holds the forward's gates and intermediates.
 
-  // dz[b, p] = (sum_c dy * x * s) * m (1 - m): through the spatial gate,
-  // channels summed in order as in spatial_pool.
+// dz[b, p] = (sum_c dy * x * s) * m (1 - m): through the spatial gate,
+// channels summed in order as in spatial_pool.
+template <class T>
+std::vector<T> spatial_gate_backward(const FeatureMap& g, const CbamState<T>& st, const T* x,
+                                     const T* dy) {
+  const std::int64_t B = g.batch, C = g.channels, P = g.pixels;
+  const std::int64_t blocks = detail::pixel_blocks(P);
+  const auto bp = static_cast<std::size_t>(B * P);
   std::vector<T> dz(bp);
 #pragma omp parallel for schedule(static) if (g.threaded())
   for (std::int64_t task = 0; task < B * blocks; ++task) {
@@ -427,8 +427,14 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
       dz[b * P + p0 + j] = sum[j] * m * (T(1) - m);
     }
   }
+  return dz;
+}
 
-  // BatchNorm's weight and bias, in pixel order.
+// BatchNorm's weight and bias, in pixel order.
+template <class T>
+void spatial_bn_backward(Cbam& mod, const CbamWeights<T>& w, const CbamState<T>& st,
+                         const std::vector<T>& dz) {
+  const std::size_t bp = dz.size();
   T d_gamma = 0, d_beta = 0;
   for (std::size_t i = 0; i < bp; ++i) {
     d_gamma += dz[i] * ((st.conv[i] - w.mean) * w.inv_std);
@@ -436,9 +442,18 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
   }
   detail::typed_grad<T>(mod.spatial_bn_weight)[0] += d_gamma;
   detail::typed_grad<T>(mod.spatial_bn_bias)[0] += d_beta;
+}
 
-  // dt = dz alpha; the convolution's input gradients are dt correlated with
-  // the kernel rotated by 180 degrees.
+// The pooled maps' gradients d_mean and d_max [B, P] through the convolution
+// (dt = dz alpha correlated with the kernel rotated by 180 degrees), and the
+// kernel's gradient.
+template <class T>
+void spatial_conv_backward(Cbam& mod, const CbamWeights<T>& w, const FeatureMap& g,
+                           const CbamState<T>& st, const std::vector<T>& dz, std::vector<T>& d_mean,
+                           std::vector<T>& d_max) {
+  const std::int64_t B = g.batch, P = g.pixels, H = g.height, W = g.width;
+  const std::int64_t K = mod.kernel_size();
+  const std::size_t bp = dz.size();
   std::vector<T> dt(bp);
   for (std::size_t i = 0; i < bp; ++i) dt[i] = dz[i] * w.alpha;
   const T* kernel = w.conv.get();
@@ -447,7 +462,6 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
     for (std::int64_t t = 0; t < K * K; ++t)
       flipped[ch * K * K + t] = kernel[ch * K * K + K * K - 1 - t];
   }
-  std::vector<T> d_mean(bp), d_max(bp);
 #pragma omp parallel for schedule(static) if (g.threaded())
   for (std::int64_t bi = 0; bi < B * H; ++bi) {
     const std::int64_t b = bi / H, i = bi % H;
@@ -473,10 +487,17 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
     }
     g_conv[tap] += sum;
   }
+}
 
-  // Gradient of x1 = x * s: the output's direct path dy * m, the spatial
-  // mean's d_mean / C and the spatial max's d_max at its first maximal
-  // channel. Then dx = dx1 * s here and ds[b, c] = sum_p dx1 * x.
+// Gradient of x1 = x * s: the output's direct path dy * m, the spatial
+// mean's d_mean / C and the spatial max's d_max at its first maximal
+// channel. Writes dx = dx1 * s and returns ds[b, c] = sum_p dx1 * x.
+template <class T>
+std::vector<T> gated_input_backward(const FeatureMap& g, const CbamState<T>& st, const T* x,
+                                    const T* dy, std::vector<T>& d_mean,
+                                    const std::vector<T>& d_max, T* dx) {
+  const std::int64_t B = g.batch, C = g.channels, P = g.pixels;
+  const std::int64_t blocks = detail::pixel_blocks(P);
   const std::vector<std::int64_t> spatial_first = spatial_argmax(g, x, st.s.data(), st.max.data());
   for (T& d : d_mean) d /= static_cast<T>(C);
   std::vector<T> ds(static_cast<std::size_t>(B * C));
@@ -529,10 +550,16 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
       }
     }
   }
+  return ds;
+}
 
-  // Through the channel gate to both MLP branches (the same d logits), then
-  // to the poolings: the mean spreads evenly, the max goes to its first
-  // maximal pixel.
+// Through the channel gate to both MLP branches (the same d logits), then to
+// the poolings: the mean spreads evenly, the max goes to its first maximal
+// pixel. Adds to dx.
+template <class T>
+void channel_gate_backward(Cbam& mod, const detail::ChannelMlp<T>& mlp, const FeatureMap& g,
+                           const CbamState<T>& st, const T* x, const std::vector<T>& ds, T* dx) {
+  const std::int64_t B = g.batch, C = g.channels, P = g.pixels;
   std::vector<T> d_logits(static_cast<std::size_t>(2 * B * C));
   for (std::int64_t i = 0; i < B * C; ++i) {
     const std::int64_t row = 2 * (i / C) * C + i % C;
@@ -571,6 +598,19 @@ void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const
     const std::int64_t b = bc / C, c = bc % C;
     dx[g.nhwc ? (b * P + at) * C + c : bc * P + at] += d_pooled[(2 * b + 1) * C + c];
   }
+}
+
+template <class T>
+void cbam_backward(Cbam& mod, double eps, const FeatureMap& g, const T* x, const T* dy, T* dx) {
+  const CbamWeights<T> w(mod, eps);
+  const detail::ChannelMlp<T> mlp = w.mlp(mod);
+  const CbamState<T> st = all_gates(mod, w, g, x);
+  const std::vector<T> dz = spatial_gate_backward(g, st, x, dy);
+  spatial_bn_backward(mod, w, st, dz);
+  std::vector<T> d_mean(dz.size()), d_max(dz.size());
+  spatial_conv_backward(mod, w, g, st, dz, d_mean, d_max);
+  const std::vector<T> ds = gated_input_backward(g, st, x, dy, d_mean, d_max, dx);
+  channel_gate_backward(mod, mlp, g, st, x, ds, dx);
 }
 
 }  // namespace
