@@ -306,6 +306,118 @@ inline RowRange DecodeRange(const DecodePlan& plan, std::int64_t length, std::in
   return {lo, pos + 1};
 }
 
+// The shape of one work item's tiles: rows r = h * n + t over all query
+// heads, head_rows = rows / Hkv per KV head; scores s[c][r] with row stride
+// rows_pad; queries [rows][dk_pad]; the output accumulator [rows][dv_pad].
+struct ItemShape {
+  std::int64_t lanes, hkv, rows, head_rows, rows_pad, dk, dk_pad, dv, dv_pad;
+};
+
+// Scores of a block's `cols` tokens, s[c][r] = <q_r, k_c>: two keys at a
+// time against four rows of their KV head. kSpread: 16-bit caches prefetch
+// the next block's keys through next_keys, f32 caches the keys two tokens
+// ahead (see DecodeItemRun).
+template <class T, bool kSpread>
+void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q, const T* const* keys,
+                 std::int64_t cols, LineStream& next_keys, float* HWY_RESTRICT s) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t key_bytes = sh.hkv * sh.dk * static_cast<std::int64_t>(sizeof(T));
+  for (std::int64_t c = 0; c < cols; c += 2) {
+    const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
+    // f32: software prefetch of the keys two tokens ahead (the value tiles
+    // fetch the values shortly ahead themselves, which measured faster than
+    // fetching them here a block ahead).
+    for (std::int64_t t = c; t < c + pair && !kSpread; ++t) {
+      if (t + 2 < cols) {
+        const auto* next = reinterpret_cast<const std::uint8_t*>(keys[t + 2]);
+        for (std::int64_t x = 0; x < key_bytes; x += 64) hwy::Prefetch(next + x);
+      }
+    }
+    for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+      const T* krows[2] = {keys[c] + hk * sh.dk, keys[c + pair - 1] + hk * sh.dk};
+      for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
+        WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
+          float* out = s + c * sh.rows_pad + r;
+          if constexpr (kSpread) next_keys.Next();
+          if (pair == 2) {
+            ScoreTile<decltype(kRows)::value, 2>(d, q + r * sh.dk_pad, sh.dk_pad, krows, sh.dk, out,
+                                                 sh.rows_pad);
+          } else {
+            ScoreTile<decltype(kRows)::value, 1>(d, q + r * sh.dk_pad, sh.dk_pad, krows, sh.dk, out,
+                                                 sh.rows_pad);
+          }
+        });
+      }
+    }
+  }
+}
+
+// The biases decode takes (the seam's ModifyScore) and the key ranges of
+// causal and the window, on a block of tokens [j0, j0 + cols) of a sequence
+// holding `length` tokens; slopes per query head.
+inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std::int64_t length,
+                               std::int64_t j0, std::int64_t cols, bool alibi,
+                               const std::vector<float>& slopes, float* HWY_RESTRICT s) {
+  const AttentionOptions& o = *plan.options;
+  for (std::int64_t r = 0; r < sh.rows; ++r) {
+    const std::int64_t h = r / plan.n, t = r % plan.n;
+    const RowRange range = DecodeRange(plan, length, t);
+    const std::int64_t pos = length - plan.n + t;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::int64_t j = j0 + c;
+      float& x = s[c * sh.rows_pad + r];
+      x = ModifyScore(x, o.softcap, alibi, slopes[static_cast<std::size_t>(h)], pos, j);
+      if (j < range.lo || j >= range.hi) x = kDecodeNegInf;
+    }
+  }
+}
+
+// O += P V for a block's `cols` tokens, per KV head, kValueGroup tokens at
+// a time: tiles of four rows x two vectors of columns, the columns past the
+// last whole vector in scalars. kSpread: 16-bit caches prefetch the next
+// block's values through next_values.
+template <class T, bool kSpread>
+void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s, const T* const* values,
+                 std::int64_t cols, LineStream& next_values, float* HWY_RESTRICT o_acc) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = sh.lanes, dv = sh.dv, dv_pad = sh.dv_pad, rows_pad = sh.rows_pad;
+  const std::int64_t full = dv / lanes * lanes;
+  for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
+    const std::int64_t gcols = std::min(kValueGroup, cols - g0);
+    const float* sg = s + g0 * rows_pad;
+    const T* const* vg = values + g0;
+    for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+      for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
+        WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
+          constexpr int kR = decltype(kRows)::value;
+          std::int64_t x = 0;
+          for (; x + 2 * lanes <= full; x += 2 * lanes) {
+            if constexpr (kSpread) next_values.Next();
+            ValueTile<kR, 2>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
+                             dv_pad);
+          }
+          if (x < full) {
+            if constexpr (kSpread) next_values.Next();
+            ValueTile<kR, 1>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
+                             dv_pad);
+          }
+        });
+        // Columns past the last whole vector, in scalars.
+        const std::int64_t row_end = std::min((hk + 1) * sh.head_rows, r + 4);
+        for (std::int64_t e = full; e < dv; ++e) {
+          for (std::int64_t rr = r; rr < row_end; ++rr) {
+            float sum = o_acc[rr * dv_pad + e];
+            for (std::int64_t c = 0; c < gcols; ++c) {
+              sum += sg[c * rows_pad + rr] * Wide(vg[c][hk * dv + e]);
+            }
+            o_acc[rr * dv_pad + e] = sum;
+          }
+        }
+      }
+    }
+  }
+}
+
 // One work item. q holds the sequence's scaled query rows [rows][dk_pad].
 template <class T>
 void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RESTRICT q,
@@ -314,21 +426,24 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const AttentionOptions& o = *plan.options;
   const KvCache& cache = *plan.cache;
-  const std::int64_t hkv_count = plan.hkv;
-  const std::int64_t rows = plan.rows;              // row r = h * n + t, all query heads
-  const std::int64_t head_rows = rows / hkv_count;  // the rows of one KV head
-  const std::int64_t rows_pad = RoundUp(rows, lanes);
-  const std::int64_t dk = plan.dk, dv = plan.dv, dv_pad = plan.dv_pad;
-  const std::int64_t dk_pad = RoundUp(dk, lanes);
+  const ItemShape sh{lanes,
+                     plan.hkv,
+                     plan.rows,
+                     plan.rows / plan.hkv,
+                     RoundUp(plan.rows, lanes),
+                     plan.dk,
+                     RoundUp(plan.dk, lanes),
+                     plan.dv,
+                     plan.dv_pad};
   const std::int64_t length = cache.length(item.b);
   const std::int64_t ps = cache.page_size();
-  float* o_acc = plan.partial_o.data() + item.slot * rows * dv_pad;
+  float* o_acc = plan.partial_o.data() + item.slot * sh.rows * sh.dv_pad;
   float* m = sc.m.get();
   float* l = sc.l.get();
   float* alpha = sc.alpha.get();
-  std::fill_n(o_acc, rows * dv_pad, 0.0f);
-  std::fill_n(m, rows_pad, kDecodeNegInf);
-  std::fill_n(l, rows_pad, 0.0f);
+  std::fill_n(o_acc, sh.rows * sh.dv_pad, 0.0f);
+  std::fill_n(m, sh.rows_pad, kDecodeNegInf);
+  std::fill_n(l, sh.rows_pad, 0.0f);
 
   std::vector<float> slopes(static_cast<std::size_t>(plan.hq), 0.0f);
   if (!o.alibi_slopes.empty()) {
@@ -358,14 +473,14 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
       const auto* k = static_cast<const T*>(cache.key_page(item.b, page));
       const auto* v = static_cast<const T*>(cache.value_page(item.b, page));
       for (; row < ps && c < cols; ++row, ++c) {
-        keys[c] = k + row * hkv_count * dk;
-        values[c] = v + row * hkv_count * dv;
+        keys[c] = k + row * sh.hkv * sh.dk;
+        values[c] = v + row * sh.hkv * sh.dv;
       }
     }
   };
 
-  const std::int64_t key_bytes = hkv_count * dk * static_cast<std::int64_t>(sizeof(T));
-  const std::int64_t value_bytes = hkv_count * dv * static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t key_bytes = sh.hkv * sh.dk * static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t value_bytes = sh.hkv * sh.dv * static_cast<std::int64_t>(sizeof(T));
   float* s = sc.s.get();
   const T* keys[kDecodeBlock];
   const T* values[kDecodeBlock];
@@ -378,7 +493,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   // (short work items start each block unfetched), so they keep the keys
   // two tokens ahead and the value tiles' own prefetch.
   constexpr bool kSpread = !std::is_same_v<T, float>;
-  const std::int64_t tiles_per_head = (head_rows + 3) / 4;
+  const std::int64_t tiles_per_head = (sh.head_rows + 3) / 4;
   LineStream next_keys, next_values;
   for (std::int64_t j0 = item.begin; j0 < item.end; j0 += kDecodeBlock) {
     const std::int64_t cols = std::min(kDecodeBlock, item.end - j0);
@@ -388,98 +503,24 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
       const T* ahead_values[kDecodeBlock];
       const std::int64_t ahead = std::min(kDecodeBlock, item.end - j0 - cols);
       if (ahead > 0) token_rows(j0 + cols, ahead, ahead_keys, ahead_values);
-      const std::int64_t score_tiles = (cols + 1) / 2 * hkv_count * tiles_per_head;
-      const std::int64_t value_tiles = (cols + kValueGroup - 1) / kValueGroup * hkv_count *
-                                       tiles_per_head * ((dv + 2 * lanes - 1) / (2 * lanes));
+      const std::int64_t score_tiles = (cols + 1) / 2 * sh.hkv * tiles_per_head;
+      const std::int64_t value_tiles = (cols + kValueGroup - 1) / kValueGroup * sh.hkv *
+                                       tiles_per_head * ((sh.dv + 2 * lanes - 1) / (2 * lanes));
       next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
       next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
     }
-    // Scores s[c][r]: two keys at a time against four rows of their KV head.
-    for (std::int64_t c = 0; c < cols; c += 2) {
-      const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
-      // f32: software prefetch of the keys two tokens ahead (the value
-      // tiles fetch the values shortly ahead themselves, which measured
-      // faster than fetching them here a block ahead).
-      for (std::int64_t t = c; t < c + pair && !kSpread; ++t) {
-        if (t + 2 < cols) {
-          const auto* next = reinterpret_cast<const std::uint8_t*>(keys[t + 2]);
-          for (std::int64_t x = 0; x < key_bytes; x += 64) hwy::Prefetch(next + x);
-        }
-      }
-      for (std::int64_t hk = 0; hk < hkv_count; ++hk) {
-        const T* krows[2] = {keys[c] + hk * dk, keys[c + pair - 1] + hk * dk};
-        for (std::int64_t r = hk * head_rows; r < (hk + 1) * head_rows; r += 4) {
-          WithRows(std::min<std::int64_t>(4, (hk + 1) * head_rows - r), [&](auto kRows) {
-            float* out = s + c * rows_pad + r;
-            if constexpr (kSpread) next_keys.Next();
-            if (pair == 2) {
-              ScoreTile<decltype(kRows)::value, 2>(d, q + r * dk_pad, dk_pad, krows, dk, out,
-                                                   rows_pad);
-            } else {
-              ScoreTile<decltype(kRows)::value, 1>(d, q + r * dk_pad, dk_pad, krows, dk, out,
-                                                   rows_pad);
-            }
-          });
-        }
-      }
-    }
+    BlockScores<T, kSpread>(sh, q, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const std::int64_t h = r / plan.n, t = r % plan.n;
-        const RowRange range = DecodeRange(plan, length, t);
-        const std::int64_t pos = length - plan.n + t;
-        for (std::int64_t c = 0; c < cols; ++c) {
-          const std::int64_t j = j0 + c;
-          float& x = s[c * rows_pad + r];
-          x = ModifyScore(x, o.softcap, alibi, slopes[static_cast<std::size_t>(h)], pos, j);
-          if (j < range.lo || j >= range.hi) x = kDecodeNegInf;
-        }
-      }
+      BlockModifyAndMask(plan, sh, length, j0, cols, alibi, slopes, s);
     }
     // Online softmax, a vector of rows at a time (padding rows included).
-    OnlineSoftmaxBlock(s, rows_pad, cols, rows_pad, m, l, alpha);
-    RescaleRows(o_acc, rows, dv_pad, dv_pad, alpha);
-    // O += P V per KV head, kValueGroup tokens at a time: tiles of four
-    // rows x two vectors of columns.
-    const std::int64_t full = dv / lanes * lanes;
-    for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
-      const std::int64_t gcols = std::min(kValueGroup, cols - g0);
-      const float* sg = s + g0 * rows_pad;
-      const T* const* vg = values + g0;
-      for (std::int64_t hk = 0; hk < hkv_count; ++hk) {
-        for (std::int64_t r = hk * head_rows; r < (hk + 1) * head_rows; r += 4) {
-          WithRows(std::min<std::int64_t>(4, (hk + 1) * head_rows - r), [&](auto kRows) {
-            constexpr int kR = decltype(kRows)::value;
-            std::int64_t x = 0;
-            for (; x + 2 * lanes <= full; x += 2 * lanes) {
-              if constexpr (kSpread) next_values.Next();
-              ValueTile<kR, 2>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
-                               dv_pad);
-            }
-            if (x < full) {
-              if constexpr (kSpread) next_values.Next();
-              ValueTile<kR, 1>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
-                               dv_pad);
-            }
-          });
-          // Columns past the last whole vector, in scalars.
-          const std::int64_t row_end = std::min((hk + 1) * head_rows, r + 4);
-          for (std::int64_t e = full; e < dv; ++e) {
-            for (std::int64_t rr = r; rr < row_end; ++rr) {
-              float sum = o_acc[rr * dv_pad + e];
-              for (std::int64_t c = 0; c < gcols; ++c) {
-                sum += sg[c * rows_pad + rr] * Wide(vg[c][hk * dv + e]);
-              }
-              o_acc[rr * dv_pad + e] = sum;
-            }
-          }
-        }
-      }
-    }
+    OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
+    RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
+    BlockValues<T, kSpread>(sh, s, values, cols, next_values, o_acc);
   }
-  std::copy_n(m, rows, plan.partial_m.data() + item.slot * rows);
-  std::copy_n(l, rows, plan.partial_l.data() + item.slot * rows);
+  std::copy_n(m, sh.rows, plan.partial_m.data() + item.slot * sh.rows);
+  std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
 }
 
 // Merges the splits of each sequence in key order:
