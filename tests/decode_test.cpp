@@ -133,6 +133,20 @@ TEST(Decode, OptionsMatchTheForward) {
   capped.softcap = 1.2;
   capped.scale = 0.9;
   cases.emplace_back("softcap and scale", capped);
+  // Patterns of positions (decode's queries are causal; these cut further).
+  for (const qkv::SparsePattern& pattern :
+       {qkv::SparsePattern::window(5, 0) | qkv::SparsePattern::global_tokens({0, 3}),
+        qkv::SparsePattern::strided(4), qkv::SparsePattern::fixed(8, 2),
+        qkv::SparsePattern::dilated_window(12, 0, 3), qkv::SparsePattern::prefix_lm(10)}) {
+    AttentionOptions sparse;
+    sparse.sparse = pattern;
+    cases.emplace_back(pattern.describe(), sparse);
+  }
+  AttentionOptions sparse_alibi;
+  sparse_alibi.sparse = qkv::SparsePattern::window(6, 0) | qkv::SparsePattern::prefix(2);
+  sparse_alibi.alibi_slopes = slopes;
+  sparse_alibi.window_left = 20;
+  cases.emplace_back("pattern, ALiBi and a window", sparse_alibi);
   for (const auto& [name, opt] : cases) {
     KvCache cache(config_for(s, DType::f32, 0));
     expect_matches_forward(s, decode_all(s, cache, 2, opt), opt, name);
@@ -267,6 +281,10 @@ TEST(Decode, BadInputThrowsNamingTheProblem) {
   masked.mask = mask;
   const Tensor q1 = random_tensor(DType::f32, {1, 1, 4, 16}, 75);
   EXPECT_NE(message(q1, masked).find("options.mask: not supported"), std::string::npos);
+  AttentionOptions layout;
+  layout.sparse = qkv::SparsePattern::block_sparse({1, 1, 1, 32, {1}});
+  EXPECT_NE(message(q1, layout).find("options.sparse: block layouts index query rows"),
+            std::string::npos);
 }
 
 }  // namespace

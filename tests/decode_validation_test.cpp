@@ -781,8 +781,12 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
            },
            {"options.score_mod/mask_mod: not supported by decode_attention"}},
           {"sparse",
-           [](DecodeCall& c) { c.options.sparse = qkv::SparsePattern::window(2, 0); },
-           {"options.sparse: not supported by decode_attention"}},
+           [](DecodeCall& c) {
+             c.options.sparse = qkv::SparsePattern::window(2, 0) |
+                                qkv::SparsePattern::block_sparse({1, 1, 1, 64, {1}});
+           },
+           {"options.sparse: block layouts index query rows, which decode_attention does not "
+            "have"}},
           {"additive_score",
            [](DecodeCall& c) { c.options.score = qkv::Score::additive; },
            {"options.score: Score::additive is not supported by decode_attention"}},

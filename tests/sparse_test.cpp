@@ -369,9 +369,13 @@ TEST(SparsePattern, InvalidParametersAndLayoutsAreRejected) {
   qkv::KvCache cache({.batch = 1, .kv_heads = 2, .head_dim = 8, .capacity = 16});
   const Tensor q1 = qkv::test::random_tensor(DType::f32, {1, 1, 4, 8}, 3, -1, 1);
   cache.append(in.k.view().slice(1, 0, 1), in.v.view().slice(1, 0, 1));
+  // Decode takes patterns of positions, not block layouts (query rows).
   AttentionOptions dec;
-  dec.sparse = SparsePattern::window(4, 0);
+  dec.sparse =
+      SparsePattern::window(4, 0) | SparsePattern::block_sparse(random_layout(1, 2, 2, 8, 5));
   EXPECT_THROW(qkv::decode_attention(q1, cache, dec), qkv::Error);
+  dec.sparse = SparsePattern::window(4, 0);
+  EXPECT_NO_THROW(qkv::decode_attention(q1, cache, dec));
 }
 
 }  // namespace

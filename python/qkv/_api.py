@@ -372,14 +372,17 @@ def decode_attention(
     softcap: float = 0.0,
     alibi_slopes=None,
     window: Optional[Tuple[int, int]] = None,
+    sparse: Optional[SparsePattern] = None,
     return_lse: bool = False,
     backend: str = "automatic",
 ):
     """The newest n tokens' queries q [B, n, Hq, Dk] (1 <= n <= 16) against
-    everything `cache` holds, causally (qkv/decode.hpp). Returns out [B, n,
-    Hq, Dv], or (out, lse [B, Hq, n]) with return_lse."""
+    everything `cache` holds, causally (qkv/decode.hpp). `sparse` takes
+    patterns of positions (windows, global tokens, prefix_lm; not block
+    layouts). Returns out [B, n, Hq, Dv], or (out, lse [B, Hq, n]) with
+    return_lse."""
     o = _options(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
-                 backend=backend)
+                 sparse=sparse, backend=backend)
     b, n, hq, _ = _shape(q, "q", 4)
     out = empty(q, (b, n, hq, cache.value_dim))
     lse = empty(q, (b, hq, n), "stat") if return_lse else None

@@ -261,6 +261,20 @@ def test_prefix_lm_pattern_is_its_bool_mask():
     assert torch.equal(got, qkv.attention(q, k, v, mask=mask))
 
 
+def test_decode_takes_patterns_of_positions():
+    # Token by token with a window + global-token pattern equals one causal
+    # pass with the same pattern.
+    q, k, v = problem(b=1, nq=9, nk=9)
+    pattern = qkv.SparsePattern.window(2, 0) | qkv.SparsePattern.global_tokens([0])
+    cache = qkv.KvCache(batch=1, kv_heads=2, head_dim=8, value_dim=6, capacity=9)
+    steps = []
+    for t in range(9):
+        cache.append(k[:, t:t + 1], v[:, t:t + 1])
+        steps.append(qkv.decode_attention(q[:, t:t + 1], cache, sparse=pattern))
+    want = qkv.attention(q, k, v, causal=True, sparse=pattern)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), want, rtol=1e-5, atol=1e-6)
+
+
 def test_linear_attention_step_continues_a_causal_prefill():
     q, k, v = (x.astype(np.float64) for x in problem(nq=9, nk=9, hq=2, hkv=2))
     full = qkv.linear_attention(q, k, v, causal=True)

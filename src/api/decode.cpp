@@ -9,6 +9,7 @@
 
 #include "api/validate.hpp"
 #include "core/elements.hpp"
+#include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 
 namespace qkv {
@@ -37,7 +38,11 @@ void check_unsupported(const AttentionOptions& o, Reasons& r) {
   if (o.score_mod || o.mask_mod) {
     r.push_back("options.score_mod/mask_mod: not supported by decode_attention");
   }
-  if (o.sparse.defined()) r.push_back("options.sparse: not supported by decode_attention");
+  if (detail::uses_query_rows(o.sparse)) {
+    r.push_back(
+        "options.sparse: block layouts index query rows, which decode_attention does not have "
+        "(patterns of positions, such as windows, global tokens and prefix_lm, are supported)");
+  }
   if (o.score == Score::additive) {
     r.push_back("options.score: Score::additive is not supported by decode_attention");
   }

@@ -516,6 +516,18 @@ DilatedSplit dilated_split(const AttentionProblem& p, const AttentionOptions& o)
   return {n->c, n->a, n->b};
 }
 
+namespace {
+bool has_layout(const SparseNode& n) {
+  return n.kind == Kind::layout ||
+         std::any_of(n.children.begin(), n.children.end(),
+                     [](const auto& child) { return has_layout(*child); });
+}
+}  // namespace
+
+bool uses_query_rows(const SparsePattern& pattern) {
+  return pattern.defined() && has_layout(*pattern.node());
+}
+
 void check_sparse(const SparsePattern& pattern, std::int64_t hq,
                   const std::vector<std::int64_t>& nq, const std::vector<std::int64_t>& nk,
                   std::vector<std::string>& reasons) {

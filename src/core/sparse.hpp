@@ -46,6 +46,11 @@ void fill_admitted(const SparsePattern& pattern, const PatternTile& tile, std::u
 void mask_rejected(const SparsePattern& pattern, const PatternTile& tile, float* scores,
                    std::int64_t query_stride, std::int64_t key_stride);
 
+// Whether the pattern reads the query row i (a block layout somewhere in it),
+// not only positions: decode, whose query rows are not the sequence's, takes
+// only patterns that do not.
+bool uses_query_rows(const SparsePattern& pattern);
+
 // Appends a reason for each block layout of the pattern that does not fit
 // `hq` query heads or does not cover a sequence of nq[s] rows and nk[s] keys.
 void check_sparse(const SparsePattern& pattern, std::int64_t hq,

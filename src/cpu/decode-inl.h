@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/score_mods-inl.h"
 #include "cpu/vec_math-inl.h"
@@ -352,13 +353,15 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q, const T* cons
   }
 }
 
-// The biases decode takes (the seam's ModifyScore) and the key ranges of
-// causal and the window, on a block of tokens [j0, j0 + cols) of a sequence
-// holding `length` tokens; slopes per query head.
+// The biases decode takes (the seam's ModifyScore), the key ranges of
+// causal and the window, and the sparse pattern (of positions: query row t
+// of the call at position pos), on a block of tokens [j0, j0 + cols) of a
+// sequence holding `length` tokens; slopes per query head.
 inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std::int64_t length,
                                std::int64_t j0, std::int64_t cols, bool alibi,
                                const std::vector<float>& slopes, float* HWY_RESTRICT s) {
   const AttentionOptions& o = *plan.options;
+  std::uint8_t keep[kDecodeBlock];
   for (std::int64_t r = 0; r < sh.rows; ++r) {
     const std::int64_t h = r / plan.n, t = r % plan.n;
     const RowRange range = DecodeRange(plan, length, t);
@@ -368,6 +371,15 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
       float& x = s[c * sh.rows_pad + r];
       x = ModifyScore(x, o.softcap, alibi, slopes[static_cast<std::size_t>(h)], pos, j);
       if (j < range.lo || j >= range.hi) x = kDecodeNegInf;
+    }
+    if (o.sparse.defined()) {
+      const detail::PatternTile tile{h, t, 1, pos, j0, cols};
+      if (detail::coverage(o.sparse, tile) != detail::Coverage::all) {
+        detail::fill_admitted(o.sparse, tile, keep);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (keep[c] == 0) s[c * sh.rows_pad + r] = kDecodeNegInf;
+        }
+      }
     }
   }
 }
@@ -461,7 +473,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   }
   const std::int64_t open_hi = DecodeRange(plan, length, 0).hi;
   const bool alibi = !o.alibi_slopes.empty();
-  const bool transform = o.softcap > 0.0 || alibi;
+  const bool transform = o.softcap > 0.0 || alibi || o.sparse.defined();
 
   // Token j's keys (all KV heads, [Hkv][Dk]) and values ([Hkv][Dv]) are a
   // token's row of the cache, contiguous, so the item streams its range.

@@ -375,6 +375,29 @@ void fuzz_decode(Input& in, KvCache& cache) {
     opt.window_left = in.param(-1, 20);
     if (opt.window_left < -1) must_reject = "window_left below -1";
   }
+  if (in.one_in(5)) {
+    // Patterns of positions; block layouts read query rows, which decode
+    // rejects. Factories that reject their parameters leave the pattern off.
+    const std::int64_t kind = in.range(0, 3);
+    qkv::fuzz::accepted("sparse pattern factory", [&] {
+      switch (kind) {
+        case 0:
+          opt.sparse = qkv::SparsePattern::window(in.param(-1, 12), 0) |
+                       qkv::SparsePattern::global_tokens({in.param(0, 8)});
+          break;
+        case 1:
+          opt.sparse = qkv::SparsePattern::prefix_lm(in.param(0, 40));
+          break;
+        case 2:
+          opt.sparse = qkv::SparsePattern::strided(in.param(1, 6));
+          break;
+        default:
+          opt.sparse = qkv::SparsePattern::block_sparse({1, 1, 1, 64, {1}});
+          must_reject = "a block layout";
+          break;
+      }
+    });
+  }
   // Options that do not apply to decoding.
   Arg mask;
   std::vector<std::int64_t> lengths;
