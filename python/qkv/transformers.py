@@ -30,6 +30,7 @@ See docs/models.md.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Optional, Tuple
 
@@ -122,15 +123,23 @@ def _structure(mask: torch.Tensor, causal: bool,
     return found
 
 
+@functools.lru_cache(maxsize=1)
+def _collector():
+    """Transformers' record of the outputs a forward collects (None where
+    this version has none)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older Transformers pass the flag
+        return None
+    return _active_collector
+
+
 def _wants_weights(kwargs: dict) -> bool:
     """Whether the caller records attention weights (output_attentions)."""
     if kwargs.get("output_attentions"):
         return True
-    try:  # Transformers records them with hooks when the config asks for them
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - older Transformers pass the flag
-        return False
-    collected = _active_collector.get()
+    collector = _collector()  # Transformers records them with hooks
+    collected = None if collector is None else collector.get()
     return isinstance(collected, dict) and "attentions" in collected
 
 
@@ -201,13 +210,26 @@ def attention_forward(
     return out, weights
 
 
+@functools.lru_cache(maxsize=64)
+def _scalar_options(scale, causal: bool, top_left: bool, window_left: int, cap: float):
+    """Prepared options of a call without tensors among them (no mask, no
+    key lengths): every layer of a model, and every decoding step, reuses
+    them instead of building them again."""
+    return _api._options(
+        scale=scale, causal=causal, align="top_left" if top_left else "bottom_right",
+        window=None if window_left < 0 else (window_left, 0), softcap=cap)
+
+
 def _plain(q, k, v, options: dict, scale, cap: float, probs: bool):
     """One call of qkv.attention (no autograd): (out, probs or None)."""
     wl = options["window_left"]
-    r = _api.attention(
-        q.detach(), k.detach(), v.detach(), scale=scale, causal=options["causal"],
-        align="top_left" if options["top_left"] else "bottom_right",
-        window=None if wl < 0 else (wl, 0), key_lengths=options["key_lengths"],
-        mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap,
-        return_probs=probs)
+    if options["mask"] is None and options["key_lengths"] is None:
+        o = _scalar_options(scale, options["causal"], options["top_left"], wl, cap)
+    else:
+        o = _api._options(
+            scale=scale, causal=options["causal"],
+            align="top_left" if options["top_left"] else "bottom_right",
+            window=None if wl < 0 else (wl, 0), key_lengths=options["key_lengths"],
+            mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap)
+    r = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=probs)
     return (r.out, r.probs) if probs else (r, None)
