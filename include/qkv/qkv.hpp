@@ -31,6 +31,7 @@
 #include "qkv/modules/positional.hpp"
 #include "qkv/modules/safetensors.hpp"
 #include "qkv/modules/vision.hpp"
+#include "qkv/npy.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
