@@ -24,7 +24,9 @@ one, grouped K/V heads without repeating them), on qkv's kernels:
 
 `output_attentions=True` returns the probabilities from the same fused call.
 In training (a tensor that requires grad) the call goes through qkv's
-registered operator, whose backward is qkv's fused backward.
+registered operator, whose backward is qkv's fused backward; weights asked
+for there come from a second call, without gradient and before dropout
+("eager" returns them after dropout, differentiable).
 See docs/models.md.
 """
 
