@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkv/error.hpp"
+#include "qkv/files.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -231,6 +232,20 @@ TEST_F(Npy, WritingIsAllOrNothing) {
   std::size_t entries = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++entries;
   EXPECT_EQ(entries, 1u);  // no temporary file left behind
+}
+
+TEST_F(Npy, WriteFileReplacesWholeOrNotAtAll) {
+  const std::string file = path("bytes.bin");
+  const std::vector<std::uint8_t> first = {1, 2, 3}, second = {4, 5};
+  write_file(file, first);
+  EXPECT_EQ(read_bytes(file), std::string("\x01\x02\x03"));
+  write_file(file, second);
+  EXPECT_EQ(read_bytes(file), std::string("\x04\x05"));
+  EXPECT_THROW(write_file(path("missing/bytes.bin"), first), Error);
+  EXPECT_THROW(write_file(dir_.string() + "/", first), Error);
+  std::size_t entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++entries;
+  EXPECT_EQ(entries, 1u);
 }
 
 // A Python with NumPy: the project's .venv, else python3 (none: skipped).

@@ -21,6 +21,7 @@
 #include "qkv/decode.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
+#include "qkv/files.hpp"
 #include "qkv/flex.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/linear.hpp"

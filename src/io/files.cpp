@@ -12,6 +12,7 @@
 
 #include "core/elements.hpp"
 #include "qkv/error.hpp"
+#include "qkv/files.hpp"
 
 namespace qkv::io {
 
@@ -127,3 +128,13 @@ void AtomicFile::commit() {
 }
 
 }  // namespace qkv::io
+
+namespace qkv {
+
+void write_file(const std::string& path, std::span<const std::uint8_t> bytes) {
+  io::AtomicFile file(path);
+  file.write(bytes.data(), bytes.size());
+  file.commit();
+}
+
+}  // namespace qkv
