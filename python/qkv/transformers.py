@@ -115,7 +115,9 @@ _SEEN_SIZE = 4
 
 def _structure(mask: torch.Tensor, causal: bool,
                sliding_window: Optional[int]) -> Optional[_Structure]:
-    key = (mask._version, causal, sliding_window)
+    # Inference tensors (torch.inference_mode, as sentence-transformers'
+    # encode uses) have no version counter: they are remembered by identity.
+    key = (-1 if mask.is_inference() else mask._version, causal, sliding_window)
     for ref, k, found in _SEEN:
         if ref() is mask and k == key:
             return found

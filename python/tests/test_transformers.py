@@ -233,6 +233,18 @@ def test_structure_is_remembered_per_mask_and_version():
     assert qt._structure(mask, True, None) is None
 
 
+def test_masks_made_in_inference_mode():
+    # sentence-transformers encodes under torch.inference_mode(): its masks
+    # are inference tensors, without a version counter.
+    cls, config = FAMILIES["bert"]()
+    ids, am = _inputs("right")
+    with torch.no_grad():
+        want = _output(_model(cls, config, "qkv"), ids, am)
+    with torch.inference_mode():
+        got = _output(_model(cls, config, "qkv"), ids, am)
+    assert torch.equal(got, want)
+
+
 def test_register_returns_the_name_and_is_idempotent():
     assert qt.register() == "qkv"
     assert qt.register() == "qkv"
