@@ -10,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include "cli_error.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
@@ -347,11 +348,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     }
     return 0;
   } catch (const Error& e) {
-    // One line: the reasons of a multi-problem error joined.
-    std::string line;
-    for (const std::string& r : e.reasons()) line += (line.empty() ? "" : "; ") + r;
-    err << "qkv attend: error: " << line << "\n";
-    return 2;
+    return report_error(err, "qkv attend", e);
   }
 }
 

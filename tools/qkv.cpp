@@ -10,6 +10,7 @@
 #include "bench.hpp"
 #include "demo.hpp"
 #include "qkv/error.hpp"
+#include "viz.hpp"
 
 int main(int argc, char** argv) {
   // CLI11 does not wrap help text: lines are broken by hand to fit 80 columns.
@@ -23,10 +24,30 @@ int main(int argc, char** argv) {
   demo->footer(
       "Self-attention over a short sentence with sinusoidal positions,\n"
       "cross-attention, causal attention and a padded batch, on built-in data.\n"
-      "Prints each example's checks and a heatmap of its attention weights;\n"
-      "exits 1 if a check fails.");
-  bool color = false;
-  demo->add_flag("--color", color, "Shade the heatmap with ANSI colours");
+      "Then trains three small transformers with the library's backward passes\n"
+      "(reversing 8-12 digits with self-attention, rotating them with 2 heads,\n"
+      "reversing them with an additive-attention decoder; seconds each) and\n"
+      "checks their held-out accuracy and learned attention maps, which it draws\n"
+      "as PNG heatmaps and saves as .npy in --out. Prints each check and a\n"
+      "heatmap of the attention weights; exits 1 if a check fails.");
+  qkv::tools::DemoOptions demo_options;
+  demo->add_flag("--color", demo_options.color, "Shade the heatmap with ANSI colours");
+  demo->add_option("--out", demo_options.out, "Folder for the pictures and .npy files")
+      ->capture_default_str();
+  demo->add_option("--steps", demo_options.steps,
+                   "Training step budget per task (default 2000;\n"
+                   "training stops early at 99.8% held-out accuracy)")
+      ->check(CLI::PositiveNumber);
+  demo->add_option("--seed", demo_options.seed, "Training seed (data and initial weights)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  demo->add_option("--threads", demo_options.threads,
+                   "OpenMP threads while training (results are\n"
+                   "bitwise reproducible per seed and thread count)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1024}))
+      ->capture_default_str();
+  bool no_train = false;
+  demo->add_flag("--no-train", no_train, "Only the fixed examples (no training, no files)");
 
   CLI::App* bench =
       app.add_subcommand("bench", "Time attention against the FMA peak and bandwidth");
@@ -134,6 +155,26 @@ int main(int argc, char** argv) {
   attend->add_option("--dv", attend_options.dv, "Write dLoss/dv (with --backward)");
   attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
 
+  CLI::App* viz = app.add_subcommand("viz", "Draw attention probabilities (.npy) as a PNG");
+  viz->footer(
+      "Reads probabilities (.npy: [Nq, Nk], [H, Nq, Nk] or [B, H, Nq, Nk],\n"
+      "e.g. from `qkv attend --probs`) and draws each head's map as a heatmap\n"
+      "(rows = queries, columns = keys; heads in a grid) with token labels, a\n"
+      "colour bar and a caption. Prints the picture's path and size. Errors:\n"
+      "one line on stderr, exit status 2, no file written.");
+  qkv::tools::VizOptions viz_options;
+  viz->add_option("probs", viz_options.probs, "Probabilities (.npy)")->required();
+  viz->add_option("-o,--out", viz_options.out, "Output picture (.png)")->required();
+  viz->add_option("--tokens", viz_options.tokens,
+                  "Key tokens, one a line (also the query tokens\n"
+                  "when Nq == Nk); default: positions");
+  viz->add_option("--query-tokens", viz_options.query_tokens, "Query tokens, one a line");
+  viz->add_option("--head", viz_options.head, "Draw this head only (default: all)");
+  viz->add_option("--batch", viz_options.batch, "Batch entry of a [B, H, Nq, Nk] array")
+      ->capture_default_str();
+  viz->add_option("--caption", viz_options.caption,
+                  "Text under the picture (default: what it shows)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -149,7 +190,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (attend->parsed()) return qkv::tools::run_attend(attend_options, std::cout, std::cerr);
-    if (demo->parsed()) return qkv::tools::run_demo(std::cout, {color}) ? 0 : 1;
+    if (viz->parsed()) return qkv::tools::run_viz(viz_options, std::cout, std::cerr);
+    if (demo->parsed()) {
+      demo_options.train = !no_train;
+      demo_options.live = isatty(STDOUT_FILENO) == 1;
+      return qkv::tools::run_demo(std::cout, demo_options) ? 0 : 1;
+    }
     if (bench->parsed()) {
       // On a terminal one progress line is rewritten in place; in a log, each
       // measurement gets its own line.
