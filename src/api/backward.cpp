@@ -5,6 +5,7 @@
 #include "api/validate.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
+#include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
 #include "reference/backward.hpp"
@@ -43,15 +44,31 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   return cpu::flash_backward(plan, {out, dout, lse, grads});
 }
 
+// The fast backward of Score::additive on a validated call: the forward's
+// probabilities pass gives the weights P with every mask and bias applied,
+// cpu::additive_backward differentiates the score. Returns whether every
+// gradient it wrote is finite.
+bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                       ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                       const GradientOutputs& grads, const AttentionOptions& o) {
+  Tensor probs(p.stat_dtype, {p.batch, p.hq, p.nq, p.nk});
+  Tensor forward_out(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+  attention_into(q, k, v, {forward_out, {}, probs}, o);
+  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
+}
+
 // Runs a validated call on the backend the options choose: the fused
-// backward for dot-product scores, the reference for the additive score. A
-// fused result holding a NaN or an infinity is recomputed by the reference,
+// backward for dot-product scores, cpu::additive_backward for the additive
+// score without dropout, softcap or relative bias, else the reference. A
+// fast result holding a NaN or an infinity is recomputed by the reference,
 // which defines it (see docs/semantics.md).
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
-  if (detail::use_fast_kernels(o, p.dtype, o.score != Score::additive) &&
-      run_fast(p, q, k, v, out, dout, lse, grads, o)) {
+  const bool additive = o.score == Score::additive;
+  if (detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o)) &&
+      (additive ? run_fast_additive(p, q, k, v, out, dout, grads, o)
+                : run_fast(p, q, k, v, out, dout, lse, grads, o))) {
     return;
   }
   reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);

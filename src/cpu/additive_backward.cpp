@@ -1,0 +1,217 @@
+// The fast backward of Score::additive (see additive_backward.hpp): GEMMs on
+// OpenBLAS for the projections and the products with dO, and one Highway
+// loop, compiled per target by re-including this file, for the tanh chain
+// over every (query row, key) pair with a nonzero dS.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/additive_backward.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// (foreach_target.h must come first: it re-includes this file per target.)
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// One query row against `keys` keys (rows c * ld of uk and duk), for each
+// key c with ds[c] != 0:
+//   t = tanh(uq + uk[c]),  du = ds[c] v (1 - t^2)
+//   duq += du,  duk[c] += du,  dv += ds[c] t
+// Rows are [a_pad] floats (a multiple of every vector width), zero past A,
+// where v is zero too, so the padding adds exact zeros.
+void ChainRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::int64_t ld,
+              std::int64_t keys, const float* HWY_RESTRICT ds, const float* HWY_RESTRICT v,
+              std::int64_t a_pad, float* HWY_RESTRICT duq, float* HWY_RESTRICT duk,
+              float* HWY_RESTRICT dv) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto one = hn::Set(d, 1.0f);
+  for (std::int64_t c = 0; c < keys; ++c) {
+    if (ds[c] == 0.0f) continue;
+    const auto s = hn::Set(d, ds[c]);
+    const float* ukc = uk + c * ld;
+    float* dukc = duk + c * ld;
+    for (std::int64_t a = 0; a < a_pad; a += lanes) {
+      const auto t = hn::Tanh(d, hn::Add(hn::LoadU(d, uq + a), hn::LoadU(d, ukc + a)));
+      const auto du = hn::Mul(hn::Mul(s, hn::LoadU(d, v + a)), hn::NegMulAdd(t, t, one));
+      hn::StoreU(hn::Add(hn::LoadU(d, duq + a), du), d, duq + a);
+      hn::StoreU(hn::Add(hn::LoadU(d, dukc + a), du), d, dukc + a);
+      hn::StoreU(hn::MulAdd(s, t, hn::LoadU(d, dv + a)), d, dv + a);
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/gemm.hpp"
+#include "cpu/additive_backward.hpp"
+
+namespace qkv::cpu {
+
+HWY_EXPORT(ChainRow);
+
+namespace {
+
+// x as contiguous f32 values in x's own shape.
+std::vector<float> f32_values(ConstTensorView x) {
+  std::vector<float> values(static_cast<std::size_t>(x.numel()));
+  if (values.empty()) return values;
+  const std::vector<std::int64_t> sizes(x.size_span().begin(), x.size_span().end());
+  copy(x, TensorView(values.data(), DType::f32, sizes));
+  return values;
+}
+
+// Row-major f32 `values` of dst's shape into dst (any dtype and strides).
+void store(const std::vector<float>& values, TensorView dst) {
+  if (!dst.defined() || dst.numel() == 0) return;
+  const std::vector<std::int64_t> sizes(dst.size_span().begin(), dst.size_span().end());
+  copy(ConstTensorView(values.data(), DType::f32, sizes), dst);
+}
+
+bool all_finite(const std::vector<float>& values) {
+  return std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); });
+}
+
+// Sets to zero the rows of x [rows][cols] that `used` does not mark: rows no
+// gradient flows through, so that whatever they hold (padding, NaN) never
+// enters dW = dU^T x, where their dU row is zero.
+void zero_unused_rows(std::vector<float>& x, std::int64_t cols,
+                      const std::vector<unsigned char>& used) {
+  for (std::size_t r = 0; r < used.size(); ++r) {
+    if (used[r] == 0) std::fill_n(x.begin() + static_cast<std::int64_t>(r) * cols, cols, 0.0f);
+  }
+}
+
+}  // namespace
+
+bool additive_backward_supports(const AttentionOptions& o) {
+  return o.dropout_p == 0.0 && o.softcap == 0.0 && !o.relative_bias.table.defined();
+}
+
+bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions& o,
+                       ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
+                       ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {
+  const std::int64_t A = p.attention_size, a_pad = (A + 15) / 16 * 16;
+  const std::int64_t rows_q = p.batch * p.nq * p.hq;          // rows of q, out, dout
+  const std::int64_t rows_k = p.batch * p.nk * p.hkv;         // rows of k, v
+  const std::vector<float> qs = f32_values(q);                // [rows_q][Dq]
+  const std::vector<float> ks = f32_values(k);                // [rows_k][Dk]
+  const std::vector<float> vs = f32_values(v);                // [rows_k][Dv]
+  const std::vector<float> outs = f32_values(out);            // [rows_q][Dv]
+  const std::vector<float> douts = f32_values(dout);          // [rows_q][Dv]
+  const std::vector<float> ps = f32_values(probs);            // [B][Hq][Nq][Nk]
+  const std::vector<float> w_q = f32_values(o.additive.w_q);  // [A][Dq]
+  const std::vector<float> w_k = f32_values(o.additive.w_k);  // [A][Dk]
+  std::vector<float> v_a = f32_values(o.additive.v);          // [a_pad], zero past A
+  v_a.resize(static_cast<std::size_t>(a_pad));
+  const std::vector<float> bias =
+      o.additive.bias.defined() ? f32_values(o.additive.bias) : std::vector<float>{};  // [A]
+
+  // UQ [rows_q][a_pad] = Q W_q^T + bias, UK [rows_k][a_pad] = K W_k^T.
+  std::vector<float> uq(static_cast<std::size_t>(rows_q * a_pad));
+  std::vector<float> uk(static_cast<std::size_t>(rows_k * a_pad));
+  detail::gemm(DType::f32, false, true, rows_q, A, p.dq, 1.0, qs.data(), p.dq, w_q.data(), p.dq,
+               0.0, uq.data(), a_pad, bias.empty() ? nullptr : bias.data());
+  detail::gemm(DType::f32, false, true, rows_k, A, p.dk, 1.0, ks.data(), p.dk, w_k.data(), p.dk,
+               0.0, uk.data(), a_pad);
+
+  // Gradients of UQ, UK and V, and which rows of Q and K they reach.
+  std::vector<float> duq(uq.size()), duk(uk.size());
+  std::vector<float> dvs(static_cast<std::size_t>(rows_k * p.dv));  // [rows_k][Dv]
+  std::vector<unsigned char> q_used(static_cast<std::size_t>(rows_q));
+  std::vector<unsigned char> k_used(static_cast<std::size_t>(rows_k));
+  // One work item per (sequence, KV head); each has its own d_v partial sum.
+  const std::int64_t items = p.sequences * p.hkv;
+  std::vector<float> dv_partial(static_cast<std::size_t>(items * a_pad));
+  const std::int64_t ld_q = p.hq * p.dv, ld_k = p.hkv * p.dv;  // row strides of one head
+#pragma omp parallel for schedule(dynamic) if (items > 1)
+  for (std::int64_t item = 0; item < items; ++item) {
+    const detail::SequenceExtent seq = p.sequence(item / p.hkv, o);
+    const std::int64_t hk = item % p.hkv, nq = seq.nq, nk = seq.nk;
+    if (nq == 0 || nk == 0) continue;
+    const std::int64_t k_row = (seq.batch * p.nk + seq.k_begin) * p.hkv + hk;  // key 0's row
+    std::vector<float> dp(static_cast<std::size_t>(nq * nk));                  // [nq][nk]
+    std::vector<float> ds(static_cast<std::size_t>(nk));  // dS of one query row
+    for (std::int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+      const std::int64_t q_row = (seq.batch * p.nq + seq.q_begin) * p.hq + h;  // query 0's row
+      const float* prob = ps.data() + ((seq.batch * p.hq + h) * p.nq + seq.q_begin) * p.nk +
+                          seq.k_begin;  // [nq] rows of stride Nk
+      const float* dout_h = douts.data() + q_row * p.dv;
+      // dP = dO V^T [nq][nk]; dV += P^T dO [nk][Dv].
+      detail::gemm(DType::f32, false, true, nq, nk, p.dv, 1.0, dout_h, ld_q,
+                   vs.data() + k_row * p.dv, ld_k, 0.0, dp.data(), nk);
+      detail::gemm(DType::f32, true, false, nk, p.dv, nq, 1.0, prob, p.nk, dout_h, ld_q, 1.0,
+                   dvs.data() + k_row * p.dv, ld_k);
+      for (std::int64_t i = 0; i < nq; ++i) {
+        const std::int64_t row = q_row + i * p.hq;
+        float d_i = 0.0f;  // D_i
+        for (std::int64_t c = 0; c < p.dv; ++c) {
+          d_i += douts[row * p.dv + c] * outs[row * p.dv + c];
+        }
+        bool any = false;
+        for (std::int64_t j = 0; j < nk; ++j) {
+          const float pij = prob[i * p.nk + j];
+          // A weight of exactly 0 (a dropped key) cancels its terms, even a
+          // NaN or inf from a value it never meets.
+          ds[j] = pij == 0.0f ? 0.0f : pij * (dp[i * nk + j] - d_i);
+          if (ds[j] == 0.0f) continue;
+          k_used[static_cast<std::size_t>(k_row + j * p.hkv)] = 1;
+          any = true;
+        }
+        if (!any) continue;
+        q_used[static_cast<std::size_t>(row)] = 1;
+        HWY_DYNAMIC_DISPATCH(ChainRow)
+        (uq.data() + row * a_pad, uk.data() + k_row * a_pad, p.hkv * a_pad, nk, ds.data(),
+         v_a.data(), a_pad, duq.data() + row * a_pad, duk.data() + k_row * a_pad,
+         dv_partial.data() + item * a_pad);
+      }
+    }
+  }
+
+  // dq = dUQ W_q, dk = dUK W_k; dW_q = dUQ^T Q, dW_k = dUK^T K over the rows
+  // a gradient reached (the others are zero in dU and made zero in Q, K).
+  std::vector<float> qz = qs, kz = ks;
+  zero_unused_rows(qz, p.dq, q_used);
+  zero_unused_rows(kz, p.dk, k_used);
+  std::vector<float> dq(qs.size()), dk(ks.size());
+  std::vector<float> dw_q(w_q.size()), dw_k(w_k.size());
+  detail::gemm(DType::f32, false, false, rows_q, p.dq, A, 1.0, duq.data(), a_pad, w_q.data(), p.dq,
+               0.0, dq.data(), p.dq);
+  detail::gemm(DType::f32, false, false, rows_k, p.dk, A, 1.0, duk.data(), a_pad, w_k.data(), p.dk,
+               0.0, dk.data(), p.dk);
+  detail::gemm(DType::f32, true, false, A, p.dq, rows_q, 1.0, duq.data(), a_pad, qz.data(), p.dq,
+               0.0, dw_q.data(), p.dq);
+  detail::gemm(DType::f32, true, false, A, p.dk, rows_k, 1.0, duk.data(), a_pad, kz.data(), p.dk,
+               0.0, dw_k.data(), p.dk);
+  // d_bias = column sums of dUQ, d_v = the items' partial sums, in order.
+  std::vector<float> d_bias(static_cast<std::size_t>(A)), d_v(static_cast<std::size_t>(A));
+  for (std::int64_t r = 0; r < rows_q; ++r) {
+    for (std::int64_t a = 0; a < A; ++a) d_bias[a] += duq[r * a_pad + a];
+  }
+  for (std::int64_t item = 0; item < items; ++item) {
+    for (std::int64_t a = 0; a < A; ++a) d_v[a] += dv_partial[item * a_pad + a];
+  }
+  store(dq, grads.dq);
+  store(dk, grads.dk);
+  store(dvs, grads.dv);
+  store(dw_q, grads.d_additive_w_q);
+  store(dw_k, grads.d_additive_w_k);
+  store(d_v, grads.d_additive_v);
+  if (o.additive.bias.defined()) store(d_bias, grads.d_additive_bias);
+  return all_finite(dq) && all_finite(dk) && all_finite(dvs) && all_finite(dw_q) &&
+         all_finite(dw_k) && all_finite(d_v) && all_finite(d_bias);
+}
+
+}  // namespace qkv::cpu
+
+#endif  // HWY_ONCE
