@@ -62,35 +62,77 @@ HWY_EXPORT(ChainRow);
 
 namespace {
 
-// x as contiguous f32 values in x's own shape.
-std::vector<float> f32_values(ConstTensorView x) {
-  std::vector<float> values(static_cast<std::size_t>(x.numel()));
-  if (values.empty()) return values;
-  const std::vector<std::int64_t> sizes(x.size_span().begin(), x.size_span().end());
-  copy(x, TensorView(values.data(), DType::f32, sizes));
-  return values;
-}
-
-// Row-major f32 `values` of dst's shape into dst (any dtype and strides).
-void store(const std::vector<float>& values, TensorView dst) {
-  if (!dst.defined() || dst.numel() == 0) return;
-  const std::vector<std::int64_t> sizes(dst.size_span().begin(), dst.size_span().end());
-  copy(ConstTensorView(values.data(), DType::f32, sizes), dst);
-}
-
-bool all_finite(const std::vector<float>& values) {
-  return std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); });
-}
-
-// Sets to zero the rows of x [rows][cols] that `used` does not mark: rows no
-// gradient flows through, so that whatever they hold (padding, NaN) never
-// enters dW = dU^T x, where their dU row is zero.
-void zero_unused_rows(std::vector<float>& x, std::int64_t cols,
-                      const std::vector<unsigned char>& used) {
-  for (std::size_t r = 0; r < used.size(); ++r) {
-    if (used[r] == 0) std::fill_n(x.begin() + static_cast<std::int64_t>(r) * cols, cols, 0.0f);
+// x as contiguous f32 values in x's own shape: x's memory when it already
+// is, else a converted copy; null when x is undefined.
+class Floats {
+ public:
+  explicit Floats(ConstTensorView x) {
+    if (!x.defined()) return;
+    if (x.dtype() == DType::f32 && x.is_contiguous()) {
+      data_ = static_cast<const float*>(x.data());
+      return;
+    }
+    copy_.resize(static_cast<std::size_t>(x.numel()));
+    data_ = copy_.data();
+    if (copy_.empty()) return;
+    const std::vector<std::int64_t> sizes(x.size_span().begin(), x.size_span().end());
+    copy(x, TensorView(copy_.data(), DType::f32, sizes));
   }
-}
+  const float* data() const { return data_; }
+
+  // x with the rows [rows][cols] that `used` does not mark set to zero:
+  // rows no gradient flows through, so that whatever they hold (padding,
+  // NaN) never enters dW = dU^T x, where their dU row is zero.
+  const float* with_unused_rows_zero(std::int64_t cols, const std::vector<unsigned char>& used) {
+    if (std::all_of(used.begin(), used.end(), [](unsigned char u) { return u != 0; })) {
+      return data_;
+    }
+    if (copy_.empty()) copy_.assign(data_, data_ + static_cast<std::int64_t>(used.size()) * cols);
+    for (std::size_t r = 0; r < used.size(); ++r) {
+      if (used[r] == 0)
+        std::fill_n(copy_.begin() + static_cast<std::int64_t>(r) * cols, cols, 0.0f);
+    }
+    return data_ = copy_.data();
+  }
+
+ private:
+  const float* data_ = nullptr;
+  std::vector<float> copy_;
+};
+
+// An f32 result of dst's shape, zero to start with: dst's memory when dst is
+// contiguous f32, else scratch that finish() converts into dst.
+class Result {
+ public:
+  explicit Result(TensorView dst) : dst_(dst) {
+    if (!dst.defined()) return;
+    if (dst.dtype() == DType::f32 && dst.is_contiguous()) {
+      data_ = static_cast<float*>(dst.data());
+      std::fill_n(data_, dst.numel(), 0.0f);
+    } else {
+      scratch_.resize(static_cast<std::size_t>(dst.numel()));
+      data_ = scratch_.data();
+    }
+  }
+  float* data() { return data_; }
+
+  // Stores the result into dst; returns whether every value is finite.
+  bool finish() {
+    if (!dst_.defined()) return true;
+    const std::int64_t n = dst_.numel();
+    const bool finite = std::all_of(data_, data_ + n, [](float x) { return std::isfinite(x); });
+    if (!scratch_.empty()) {
+      const std::vector<std::int64_t> sizes(dst_.size_span().begin(), dst_.size_span().end());
+      copy(ConstTensorView(scratch_.data(), DType::f32, sizes), dst_);
+    }
+    return finite;
+  }
+
+ private:
+  TensorView dst_;
+  float* data_ = nullptr;
+  std::vector<float> scratch_;
+};
 
 }  // namespace
 
@@ -102,32 +144,29 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
                        ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {
   const std::int64_t A = p.attention_size, a_pad = (A + 15) / 16 * 16;
-  const std::int64_t rows_q = p.batch * p.nq * p.hq;          // rows of q, out, dout
-  const std::int64_t rows_k = p.batch * p.nk * p.hkv;         // rows of k, v
-  const std::vector<float> qs = f32_values(q);                // [rows_q][Dq]
-  const std::vector<float> ks = f32_values(k);                // [rows_k][Dk]
-  const std::vector<float> vs = f32_values(v);                // [rows_k][Dv]
-  const std::vector<float> outs = f32_values(out);            // [rows_q][Dv]
-  const std::vector<float> douts = f32_values(dout);          // [rows_q][Dv]
-  const std::vector<float> ps = f32_values(probs);            // [B][Hq][Nq][Nk]
-  const std::vector<float> w_q = f32_values(o.additive.w_q);  // [A][Dq]
-  const std::vector<float> w_k = f32_values(o.additive.w_k);  // [A][Dk]
-  std::vector<float> v_a = f32_values(o.additive.v);          // [a_pad], zero past A
+  const std::int64_t rows_q = p.batch * p.nq * p.hq;             // rows of q, out, dout
+  const std::int64_t rows_k = p.batch * p.nk * p.hkv;            // rows of k, v
+  Floats qs(q), ks(k);                                           // [rows_q][Dq], [rows_k][Dk]
+  const Floats vs(v), outs(out), douts(dout);                    // [rows_k][Dv], [rows_q][Dv] x 2
+  const Floats ps(probs);                                        // [B][Hq][Nq][Nk]
+  const Floats w_q(o.additive.w_q), w_k(o.additive.w_k);         // [A][Dq], [A][Dk]
+  const Floats v_weight(o.additive.v);                           // [A]
+  std::vector<float> v_a(v_weight.data(), v_weight.data() + A);  // [a_pad], zero past A
   v_a.resize(static_cast<std::size_t>(a_pad));
-  const std::vector<float> bias =
-      o.additive.bias.defined() ? f32_values(o.additive.bias) : std::vector<float>{};  // [A]
+  const Floats bias(o.additive.bias);  // [A], or null
+  const bool with_bias = bias.data() != nullptr;
 
   // UQ [rows_q][a_pad] = Q W_q^T + bias, UK [rows_k][a_pad] = K W_k^T.
   std::vector<float> uq(static_cast<std::size_t>(rows_q * a_pad));
   std::vector<float> uk(static_cast<std::size_t>(rows_k * a_pad));
   detail::gemm(DType::f32, false, true, rows_q, A, p.dq, 1.0, qs.data(), p.dq, w_q.data(), p.dq,
-               0.0, uq.data(), a_pad, bias.empty() ? nullptr : bias.data());
+               0.0, uq.data(), a_pad, bias.data());
   detail::gemm(DType::f32, false, true, rows_k, A, p.dk, 1.0, ks.data(), p.dk, w_k.data(), p.dk,
                0.0, uk.data(), a_pad);
 
   // Gradients of UQ, UK and V, and which rows of Q and K they reach.
   std::vector<float> duq(uq.size()), duk(uk.size());
-  std::vector<float> dvs(static_cast<std::size_t>(rows_k * p.dv));  // [rows_k][Dv]
+  Result dvs(grads.dv);  // [rows_k][Dv]
   std::vector<unsigned char> q_used(static_cast<std::size_t>(rows_q));
   std::vector<unsigned char> k_used(static_cast<std::size_t>(rows_k));
   // One work item per (sequence, KV head); each has its own d_v partial sum.
@@ -156,7 +195,7 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
         const std::int64_t row = q_row + i * p.hq;
         float d_i = 0.0f;  // D_i
         for (std::int64_t c = 0; c < p.dv; ++c) {
-          d_i += douts[row * p.dv + c] * outs[row * p.dv + c];
+          d_i += douts.data()[row * p.dv + c] * outs.data()[row * p.dv + c];
         }
         bool any = false;
         for (std::int64_t j = 0; j < nk; ++j) {
@@ -180,36 +219,26 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
 
   // dq = dUQ W_q, dk = dUK W_k; dW_q = dUQ^T Q, dW_k = dUK^T K over the rows
   // a gradient reached (the others are zero in dU and made zero in Q, K).
-  std::vector<float> qz = qs, kz = ks;
-  zero_unused_rows(qz, p.dq, q_used);
-  zero_unused_rows(kz, p.dk, k_used);
-  std::vector<float> dq(qs.size()), dk(ks.size());
-  std::vector<float> dw_q(w_q.size()), dw_k(w_k.size());
+  Result dq(grads.dq), dk(grads.dk), dw_q(grads.d_additive_w_q), dw_k(grads.d_additive_w_k);
   detail::gemm(DType::f32, false, false, rows_q, p.dq, A, 1.0, duq.data(), a_pad, w_q.data(), p.dq,
                0.0, dq.data(), p.dq);
   detail::gemm(DType::f32, false, false, rows_k, p.dk, A, 1.0, duk.data(), a_pad, w_k.data(), p.dk,
                0.0, dk.data(), p.dk);
-  detail::gemm(DType::f32, true, false, A, p.dq, rows_q, 1.0, duq.data(), a_pad, qz.data(), p.dq,
-               0.0, dw_q.data(), p.dq);
-  detail::gemm(DType::f32, true, false, A, p.dk, rows_k, 1.0, duk.data(), a_pad, kz.data(), p.dk,
-               0.0, dw_k.data(), p.dk);
+  detail::gemm(DType::f32, true, false, A, p.dq, rows_q, 1.0, duq.data(), a_pad,
+               qs.with_unused_rows_zero(p.dq, q_used), p.dq, 0.0, dw_q.data(), p.dq);
+  detail::gemm(DType::f32, true, false, A, p.dk, rows_k, 1.0, duk.data(), a_pad,
+               ks.with_unused_rows_zero(p.dk, k_used), p.dk, 0.0, dw_k.data(), p.dk);
   // d_bias = column sums of dUQ, d_v = the items' partial sums, in order.
-  std::vector<float> d_bias(static_cast<std::size_t>(A)), d_v(static_cast<std::size_t>(A));
-  for (std::int64_t r = 0; r < rows_q; ++r) {
-    for (std::int64_t a = 0; a < A; ++a) d_bias[a] += duq[r * a_pad + a];
+  Result d_bias(with_bias ? grads.d_additive_bias : TensorView()), d_v(grads.d_additive_v);
+  for (std::int64_t r = 0; with_bias && r < rows_q; ++r) {
+    for (std::int64_t a = 0; a < A; ++a) d_bias.data()[a] += duq[r * a_pad + a];
   }
   for (std::int64_t item = 0; item < items; ++item) {
-    for (std::int64_t a = 0; a < A; ++a) d_v[a] += dv_partial[item * a_pad + a];
+    for (std::int64_t a = 0; a < A; ++a) d_v.data()[a] += dv_partial[item * a_pad + a];
   }
-  store(dq, grads.dq);
-  store(dk, grads.dk);
-  store(dvs, grads.dv);
-  store(dw_q, grads.d_additive_w_q);
-  store(dw_k, grads.d_additive_w_k);
-  store(d_v, grads.d_additive_v);
-  if (o.additive.bias.defined()) store(d_bias, grads.d_additive_bias);
-  return all_finite(dq) && all_finite(dk) && all_finite(dvs) && all_finite(dw_q) &&
-         all_finite(dw_k) && all_finite(d_v) && all_finite(d_bias);
+  bool finite = true;
+  for (Result* r : {&dq, &dk, &dvs, &dw_q, &dw_k, &d_v, &d_bias}) finite &= r->finish();
+  return finite;
 }
 
 }  // namespace qkv::cpu
