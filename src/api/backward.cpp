@@ -3,6 +3,7 @@
 
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
+#include "core/elements.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
@@ -45,15 +46,24 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
 }
 
 // The fast backward of Score::additive on a validated call: the forward's
-// probabilities pass gives the weights P with every mask and bias applied,
-// cpu::additive_backward differentiates the score. Returns whether every
-// gradient it wrote is finite.
+// probabilities pass gives the weights P = exp(s - lse) with every mask and
+// bias applied (the caller's lse as the row maximum, 1 as the row sum, as
+// the fused backward recomputes P from lse), and cpu::additive_backward
+// differentiates the score. Returns whether every gradient it wrote is
+// finite.
 bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                        ConstTensorView v, ConstTensorView out, ConstTensorView dout,
-                       const GradientOutputs& grads, const AttentionOptions& o) {
-  Tensor probs(p.stat_dtype, {p.batch, p.hq, p.nq, p.nk});
-  Tensor forward_out(p.dtype, {p.batch, p.nq, p.hq, p.dv});
-  attention_into(q, k, v, {forward_out, {}, probs}, o);
+                       ConstTensorView lse, const GradientOutputs& grads,
+                       const AttentionOptions& o) {
+  const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
+  const detail::TileMods mods = detail::function_tile_mods(functions);
+  Tensor probs(DType::f32, {p.batch, p.hq, p.nq, p.nk});
+  cpu::FlashPlan plan = cpu::make_plan(p, o, mods, q, k, v, {}, {}, probs);
+  Tensor row_max = to_dtype(lse, DType::f32), row_sum(DType::f32, {p.batch, p.hq, p.nq});
+  detail::fill(row_sum, 1.0);
+  plan.row_max = row_max;
+  plan.row_sum = row_sum;
+  cpu::flash_probabilities(plan);
   return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
 }
 
@@ -67,7 +77,7 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          const GradientOutputs& grads, const AttentionOptions& o) {
   const bool additive = o.score == Score::additive;
   if (detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o)) &&
-      (additive ? run_fast_additive(p, q, k, v, out, dout, grads, o)
+      (additive ? run_fast_additive(p, q, k, v, out, dout, lse, grads, o)
                 : run_fast(p, q, k, v, out, dout, lse, grads, o))) {
     return;
   }
