@@ -20,7 +20,7 @@ if [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
 fi
 seconds=$1
 shift
-all=(fuzz_attention fuzz_backward fuzz_decode fuzz_linear fuzz_modules fuzz_safetensors)
+all=(fuzz_attention fuzz_backward fuzz_decode fuzz_linear fuzz_modules fuzz_npy fuzz_safetensors)
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then targets=("${all[@]}"); fi
 for t in "${targets[@]}"; do

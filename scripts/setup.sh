@@ -14,6 +14,7 @@ packages=(
   libopenblas-openmp-dev  # GEMM for the modules' projections and the bench's naive baseline
                           # (the OpenMP build: its threads are qkv's, never nested)
   nlohmann-json3-dev  # JSON headers of safetensors files
+  libstb-dev          # stb_image_write, stb_image, stb_easy_font: the tool's PNG pictures
   clang libclang-rt-dev  # libFuzzer and the sanitizers' runtimes for tests/fuzz
 )
 

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <limits>
 
+#include "attend.hpp"
 #include "bench.hpp"
 #include "demo.hpp"
 #include "qkv/error.hpp"
@@ -80,8 +81,74 @@ int main(int argc, char** argv) {
       ->check(positive)
       ->capture_default_str();
 
-  CLI11_PARSE(app, argc, argv);
+  CLI::App* attend = app.add_subcommand("attend", "Attention on .npy files");
+  attend->footer(
+      "Reads q, k and v (.npy, rank 4: [B, N, H, D], or [B, H, N, D] with\n"
+      "--layout bhnd; Hq a multiple of Hkv), computes qkv::attention with the\n"
+      "options given and writes the output (.npy, q's layout and dtype).\n"
+      "With --backward DOUT it also computes the gradients (--dq/--dk/--dv).\n"
+      "Every input and option is checked before anything is written; outputs\n"
+      "are written whole or not at all. A summary line goes to stderr (--json:\n"
+      "a JSON object on stdout). Errors: one line on stderr, exit status 2.");
+  qkv::tools::AttendOptions attend_options;
+  attend->add_option("q", attend_options.q, "Queries (.npy)")->required();
+  attend->add_option("k", attend_options.k, "Keys (.npy)")->required();
+  attend->add_option("v", attend_options.v, "Values (.npy)")->required();
+  attend->add_option("-o,--out", attend_options.out, "Output file (.npy)")->required();
+  attend
+      ->add_option("--layout", attend_options.layout, "bnhd ([B, N, H, D]) or bhnd ([B, H, N, D])")
+      ->capture_default_str();
+  attend->add_option("--scale", attend_options.scale, "Score scale (default 1/sqrt(D))");
+  attend->add_option("--score", attend_options.score, "scaled or dot")->capture_default_str();
+  attend->add_flag("--causal", attend_options.causal, "Drop keys after each query's position");
+  attend->add_option("--align", attend_options.align, "bottom-right or top-left")
+      ->capture_default_str();
+  attend->add_option("--window", attend_options.window,
+                     "L,R: keys at most L before and R after the\n"
+                     "query's position (-1: unbounded)");
+  attend->add_option("--key-lengths", attend_options.key_lengths,
+                     "Valid keys per sequence: N,N,... or a text file");
+  attend->add_option("--mask", attend_options.mask,
+                     "Bool (true = attend) or float (added) mask\n"
+                     "(.npy, broadcast to [B, Hq, Nq, Nk])");
+  attend->add_flag("--alibi", attend_options.alibi, "ALiBi with the paper's slopes");
+  attend->add_option("--alibi-slopes", attend_options.alibi_slopes,
+                     "ALiBi slopes [Hq] or [B, Hq] (.npy)");
+  attend->add_option("--softcap", attend_options.softcap, "c > 0: scores become c tanh(s / c)");
+  attend->add_option("--dropout", attend_options.dropout, "Dropout probability (< 1)");
+  attend->add_option("--seed", attend_options.seed, "Dropout seed");
+  attend->add_option("--dtype", attend_options.dtype,
+                     "Compute dtype: f32, bf16, f16 or f64\n"
+                     "(default: q's; inputs are converted)");
+  attend->add_option("--backend", attend_options.backend, "automatic, fast or reference")
+      ->capture_default_str();
+  attend->add_option("--threads", attend_options.threads, "OpenMP threads (default: all cores)");
+  attend->add_option("--lse", attend_options.lse, "Also write the logsumexp [B, Hq, Nq]");
+  attend->add_option("--probs", attend_options.probs,
+                     "Also write the probabilities [B, Hq, Nq, Nk]");
+  attend->add_option("--backward", attend_options.dout,
+                     "dLoss/dout (.npy, like the output): compute\n"
+                     "the gradients too");
+  attend->add_option("--dq", attend_options.dq, "Write dLoss/dq (with --backward)");
+  attend->add_option("--dk", attend_options.dk, "Write dLoss/dk (with --backward)");
+  attend->add_option("--dv", attend_options.dv, "Write dLoss/dv (with --backward)");
+  attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
+
   try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // One line, naming the subcommand when there is one.
+    std::string where = "qkv";
+    for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
+    std::cerr << where << ": error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    if (attend->parsed()) return qkv::tools::run_attend(attend_options, std::cout, std::cerr);
     if (demo->parsed()) return qkv::tools::run_demo(std::cout, {color}) ? 0 : 1;
     if (bench->parsed()) {
       // On a terminal one progress line is rewritten in place; in a log, each

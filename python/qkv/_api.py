@@ -248,9 +248,11 @@ def attention_with(q, k, v, o: _qkv.Options, *, return_lse=False, return_probs=F
     """attention() with prepared options (the drop-in modules' fast path);
     `out`, when given, receives the result."""
     qn, kn, vn = native(q, "q"), native(k, "k"), native(v, "v")
-    b, nq, hq, _ = _shape(q, "q", 4)
-    nk = _shape(k, "k", 4)[1]
-    dv = _shape(v, "v", 4)[3]
+    try:  # one read of each shape; the messages only when one is not 4-D
+        (b, nq, hq, _), (_, nk, _, _), (_, _, _, dv) = q.shape, k.shape, v.shape
+    except ValueError:
+        _shape(q, "q", 4), _shape(k, "k", 4), _shape(v, "v", 4)
+        raise
     if out is None:
         out = empty(q, (b, nq, hq, dv))
     lse = empty(q, (b, hq, nq), "stat") if return_lse else None

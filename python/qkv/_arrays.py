@@ -30,32 +30,42 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-# torch.utils.dlpack.to_dlpack and torch.strided, once a tensor has come by.
+# torch.utils.dlpack.to_dlpack, torch.strided and torch.Tensor, once a tensor
+# has come by.
 _to_dlpack: Any = None
 _strided: Any = None
+_tensor_type: Any = None
 
 
 def _torch_capsule(x: Any, name: str) -> Any:
     """A DLPack capsule of CPU tensor x: the same memory, any strides. (The
     capsule, not x itself: Tensor.__dlpack__ costs microseconds of Python
     checks per call, which a small attention call would mostly spend there.)"""
-    global _to_dlpack, _strided
+    global _to_dlpack, _strided, _tensor_type
     if _to_dlpack is None:
         from torch.utils.dlpack import to_dlpack
 
-        _to_dlpack, _strided = to_dlpack, torch_module().strided
+        torch = torch_module()
+        _to_dlpack, _strided, _tensor_type = to_dlpack, torch.strided, torch.Tensor
     if not x.is_cpu:
         raise ValueError(f"{name}: expected a CPU tensor, got device '{x.device}'")
-    if x.layout is not _strided:
-        raise ValueError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
     if x.is_neg():  # a lazily negated view: DLPack would hand over the un-negated memory
         x = x.resolve_neg()
-    return _to_dlpack(x)  # autograd's graph is not involved: like x.detach()
+    try:
+        return _to_dlpack(x)  # autograd's graph is not involved: like x.detach()
+    except RuntimeError:  # a sparse or other non-strided layout (checked only then)
+        if x.layout is not _strided:
+            raise ValueError(
+                f"{name}: expected a strided (dense) tensor, got layout {x.layout}"
+            ) from None
+        raise
 
 
 def native(x: Any, name: str) -> Any:
     """x as the native module takes it: a NumPy array, or a DLPack capsule of
     a CPU tensor (the same memory). Raises TypeError for anything else."""
+    if type(x) is _tensor_type:  # the common case first: a plain torch.Tensor
+        return _torch_capsule(x, name)
     if isinstance(x, np.ndarray):
         if BFLOAT16 is not None and x.dtype == BFLOAT16:
             return x.view(np.uint16)  # the bits; the native side reads them as bfloat16

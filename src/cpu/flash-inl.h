@@ -651,12 +651,28 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
 
 // Runs `unit_fn` over all tasks on OpenMP threads with per-thread scratch;
 // returns whether every call returned true.
+// Threads only when the call is worth waking them: a few heads of a few
+// rows (a decoding step, a short sequence) take microseconds on one thread,
+// about what a parallel region's start and barrier cost (and far more when
+// the other cores are busy). The threshold is about 5 us of work on one
+// core: multiply-adds of Q K^T and P V over the rows and keys of each unit.
+inline bool WorthThreads(const FlashPlan& plan) {
+  constexpr std::int64_t kParallelWork = std::int64_t{1} << 17;
+  const detail::AttentionProblem& p = *plan.problem;
+  std::int64_t work = 0;
+  for (const Unit& u : plan.units) {
+    work += p.group() * u.positions * std::min(plan.max_key_rows, p.nk) * (p.dk + p.dv);
+    if (work >= kParallelWork) return true;
+  }
+  return false;
+}
+
 template <class UnitFn>
 bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
   const TileShape shape = ShapeOf(plan);
   const auto n = static_cast<std::int64_t>(plan.tasks.size());
   std::atomic<bool> all{true};
-#pragma omp parallel
+#pragma omp parallel if (WorthThreads(plan))
   {
     Scratch scratch(shape);
 #pragma omp for schedule(dynamic, 1)

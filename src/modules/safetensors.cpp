@@ -23,6 +23,7 @@
 
 #include "core/checks.hpp"
 #include "core/elements.hpp"
+#include "io/files.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -299,17 +300,6 @@ std::ifstream open_for_reading(const std::string& path) {
   return file;
 }
 
-// The view's elements in row-major order, bit for bit.
-void gather_bytes(ConstTensorView v, std::byte* out) {
-  const std::size_t element = dtype_size(v.dtype());
-  const auto* base = static_cast<const std::byte*>(v.data());
-  qkv::detail::for_each_index(v.sizes(), v.rank(), [&](const Shape& idx) {
-    const std::int64_t offset = qkv::detail::offset(idx, v.strides(), v.rank());
-    std::memcpy(out, base + offset * static_cast<std::int64_t>(element), element);
-    out += element;
-  });
-}
-
 std::size_t byte_size(ConstTensorView v) {
   return static_cast<std::size_t>(v.numel()) * dtype_size(v.dtype());
 }
@@ -386,26 +376,13 @@ void save_safetensors(const std::string& path,
   }
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  if (!file) throw Error(path + ": cannot open the file for writing");
+  io::AtomicFile file(path);  // the target is replaced only when complete
   unsigned char length_field[8];
   for (int i = 0; i < 8; ++i) length_field[i] = static_cast<unsigned char>(text.size() >> (8 * i));
-  file.write(reinterpret_cast<const char*>(length_field), 8);
-  file.write(text.data(), static_cast<std::streamsize>(text.size()));
-  std::vector<std::byte> staging;
-  for (const auto& [name, view] : order) {
-    const std::size_t bytes = byte_size(view);
-    if (bytes == 0) continue;
-    const void* data = view.data();
-    if (!view.is_contiguous()) {
-      staging.resize(bytes);
-      gather_bytes(view, staging.data());
-      data = staging.data();
-    }
-    file.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
-  }
-  file.close();
-  if (!file) throw Error(path + ": writing the file failed");
+  file.write(length_field, 8);
+  file.write(text.data(), text.size());
+  for (const auto& [name, view] : order) file.write(view);
+  file.commit();
 }
 
 void load_parameters(const NamedParameters& parameters, const TensorMap& tensors, bool strict) {

@@ -14,6 +14,8 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -93,6 +95,46 @@ bool accepted(const char* what, F&& f) {
   } catch (...) {
     finding(std::string(what) + ": a non-standard exception escaped");
   }
+}
+
+// ---------------------------------------------------------------- files --
+
+// An in-memory file with a path (/proc/self/fd/N), rewritten per input: the
+// file readers' input.
+class MemFile {
+ public:
+  explicit MemFile(const char* name) : fd_(memfd_create(name, 0)) {
+    if (fd_ < 0) finding("memfd_create failed");
+    path_ = "/proc/self/fd/" + std::to_string(fd_);
+  }
+  MemFile(const MemFile&) = delete;
+  MemFile& operator=(const MemFile&) = delete;
+  ~MemFile() { close(fd_); }
+
+  void write(const std::uint8_t* data, std::size_t size) const {
+    require(ftruncate(fd_, 0) == 0, "ftruncate failed");
+    std::size_t done = 0;
+    while (done < size) {
+      const ssize_t n = pwrite(fd_, data + done, size - done, static_cast<off_t>(done));
+      require(n > 0, "pwrite failed");
+      done += static_cast<std::size_t>(n);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  int fd_;
+  std::string path_;
+};
+
+// Same dtype, shape and bits (what a file round trip must preserve).
+inline bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.rank() != b.rank()) return false;
+  for (int d = 0; d < a.rank(); ++d) {
+    if (a.size(d) != b.size(d)) return false;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype());
+  return bytes == 0 || std::memcmp(a.view().data(), b.view().data(), bytes) == 0;
 }
 
 // ------------------------------------------------------------- decoding --

@@ -9,7 +9,6 @@
 // loaded, with its metadata, and loading that again gives the same names,
 // dtypes, shapes, bits and metadata; a rejected load_parameters leaves the
 // parameters unchanged.
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "fuzz_common.hpp"
@@ -21,50 +20,24 @@ namespace {
 using qkv::DType;
 using qkv::Tensor;
 using qkv::fuzz::finding;
+using qkv::fuzz::MemFile;
 using qkv::fuzz::require;
+using qkv::fuzz::same_bits;
 namespace nn = qkv::nn;
-
-// An in-memory file with a path (/proc/self/fd/N), rewritten per input.
-class MemFile {
- public:
-  explicit MemFile(const char* name) : fd_(memfd_create(name, 0)) {
-    if (fd_ < 0) finding("memfd_create failed");
-    path_ = "/proc/self/fd/" + std::to_string(fd_);
-  }
-  MemFile(const MemFile&) = delete;
-  MemFile& operator=(const MemFile&) = delete;
-  ~MemFile() { close(fd_); }
-
-  void write(const std::uint8_t* data, std::size_t size) const {
-    require(ftruncate(fd_, 0) == 0, "ftruncate failed");
-    std::size_t done = 0;
-    while (done < size) {
-      const ssize_t n = pwrite(fd_, data + done, size - done, static_cast<off_t>(done));
-      require(n > 0, "pwrite failed");
-      done += static_cast<std::size_t>(n);
-    }
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  int fd_;
-  std::string path_;
-};
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.rank() != b.rank()) return false;
-  for (int d = 0; d < a.rank(); ++d) {
-    if (a.size(d) != b.size(d)) return false;
-  }
-  const std::size_t bytes = static_cast<std::size_t>(a.numel()) * qkv::dtype_size(a.dtype());
-  return bytes == 0 || std::memcmp(a.view().data(), b.view().data(), bytes) == 0;
-}
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   static const MemFile input("qkv-fuzz-input");
-  static const MemFile copy("qkv-fuzz-copy");
+  // The writer renames a finished temporary file over its target, so the
+  // copy is a real file (in /dev/shm: memory, no disk), removed at exit.
+  struct CopyFile {
+    std::string path = std::string(access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp") +
+                       "/qkv-fuzz-copy-" + std::to_string(getpid()) + ".safetensors";
+    ~CopyFile() { unlink(path.c_str()); }
+  };
+  static const CopyFile copy_file;
+  const std::string& copy = copy_file.path;
   input.write(data, size);
 
   nn::TensorMap tensors;
@@ -110,14 +83,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // What was read is written back and read again unchanged.
   if (!qkv::fuzz::accepted("save_safetensors",
-                           [&] { nn::save_safetensors(copy.path(), views, metadata); })) {
+                           [&] { nn::save_safetensors(copy, views, metadata); })) {
     // Names or metadata that are not valid UTF-8 are the writer's to
     // refuse; the reader does not check the encoding of what it returns.
     return 0;
   }
   nn::TensorMap again;
   if (!qkv::fuzz::accepted("load_safetensors (copy)",
-                           [&] { again = nn::load_safetensors(copy.path()); })) {
+                           [&] { again = nn::load_safetensors(copy); })) {
     finding("load_safetensors rejects what save_safetensors wrote");
   }
   require(again.size() == tensors.size(), "the copy holds another number of tensors");
@@ -126,6 +99,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     require(it != again.end(), "the copy lacks tensor " + name);
     require(same_bits(t, it->second), "tensor " + name + " changed on the way through a file");
   }
-  require(nn::load_safetensors_metadata(copy.path()) == metadata, "the copy's metadata differs");
+  require(nn::load_safetensors_metadata(copy) == metadata, "the copy's metadata differs");
   return 0;
 }

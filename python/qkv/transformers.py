@@ -1,0 +1,239 @@
+"""qkv as an attention implementation of Hugging Face Transformers.
+
+    import qkv.transformers
+    qkv.transformers.register()                       # once per process
+    model = AutoModel.from_pretrained(path, attn_implementation="qkv")
+
+register() adds an attention function named "qkv" to Transformers'
+AttentionInterface, and to its AttentionMaskInterface the mask builder that
+Transformers uses for its own "sdpa" implementation (boolean masks, True =
+attend, and None where PyTorch's SDPA would rely on its is_causal flag). The
+attention function computes exactly what "sdpa" computes for the same call
+(scaled dot products, the model's scaling, softcap where the model passes
+one, grouped K/V heads without repeating them), on qkv's kernels:
+
+* no mask: causal where the module is causal and more than one query is
+  given (top-left, PyTorch's convention), else full attention;
+* a boolean mask that is a causal and/or sliding-window band cut by key
+  lengths (right padding) becomes qkv's causal flag, window and
+  key_lengths, so fully masked tiles are skipped and no mask is read; any
+  other mask (left padding, packed sequences, images among text) is passed
+  as an explicit mask. The mapping is checked element by element against
+  the mask once per mask tensor, so it never changes a result;
+* float masks and position biases are added to the scores, as "sdpa" does.
+
+`output_attentions=True` returns the probabilities from the same fused call.
+In training (a tensor that requires grad) the call goes through qkv's
+registered operator, whose backward is qkv's fused backward; weights asked
+for there come from a second call, without gradient and before dropout
+("eager" returns them after dropout, differentiable).
+See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import _api, _ops
+
+NAME = "qkv"
+
+
+def register(name: str = NAME) -> str:
+    """Registers qkv's attention (and the matching mask builder) with
+    Transformers under `name`; returns the name to pass as
+    `attn_implementation`. Calling it again is harmless."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+class _Structure:
+    """qkv options equivalent to a boolean mask: key_lengths [B] (None: all
+    keys), causal with its alignment, and the window's left size (-1:
+    none)."""
+
+    __slots__ = ("key_lengths", "causal", "top_left", "window_left")
+
+    def __init__(self, key_lengths, causal, top_left, window_left):
+        self.key_lengths = key_lengths
+        self.causal = causal
+        self.top_left = top_left
+        self.window_left = window_left
+
+
+def _band(lengths: torch.Tensor, nq: int, nk: int, causal: bool, top_left: bool,
+          window_left: int) -> torch.Tensor:
+    """The mask qkv applies for these options, [Bm, Nq, Nk] (True = attend),
+    per docs/semantics.md: j < length; with causal j <= p_i, with a window
+    j >= p_i - left, where p_i = i (top-left) or i + length - nq."""
+    j = torch.arange(nk)
+    lengths = lengths.view(-1, 1, 1)
+    admit = j < lengths
+    if causal:
+        i = torch.arange(nq).view(1, nq, 1)
+        p = i if top_left else i + lengths - nq
+        admit = admit & (j <= p)
+        if window_left >= 0:
+            admit = admit & (j >= p - window_left)
+    return admit.expand(-1, nq, nk)
+
+
+def _find_structure(mask: torch.Tensor, causal: bool,
+                    sliding_window: Optional[int]) -> Optional[_Structure]:
+    """The qkv options that admit exactly the keys of boolean `mask`
+    [Bm, 1, Nq, Nk], among those a model of this kind produces (its causal
+    flag, its sliding window, right padding), or None."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    m = mask[:, 0]
+    nq, nk = m.shape[-2], m.shape[-1]
+    seen = m.any(dim=1)  # [Bm, Nk]: the keys some query admits
+    lengths = (seen * torch.arange(1, nk + 1)).amax(dim=1) if nk > 0 else seen.sum(1)
+    window_left = sliding_window - 1 if causal and sliding_window else -1
+    candidates = [(True, True), (True, False)] if causal else [(False, True)]
+    for is_causal, top_left in candidates:
+        if torch.equal(_band(lengths, nq, nk, is_causal, top_left, window_left), m):
+            full = bool((lengths == nk).all())
+            return _Structure(None if full else lengths.to(torch.int64), is_causal, top_left,
+                              window_left)
+    return None
+
+
+# The structures of recently seen masks: a model passes one mask tensor (or
+# two, for alternating sliding and full layers) to every layer of a forward.
+_SEEN: list = []
+_SEEN_SIZE = 4
+
+
+def _structure(mask: torch.Tensor, causal: bool,
+               sliding_window: Optional[int]) -> Optional[_Structure]:
+    # Inference tensors (torch.inference_mode, as sentence-transformers'
+    # encode uses) have no version counter: they are remembered by identity.
+    key = (-1 if mask.is_inference() else mask._version, causal, sliding_window)
+    for ref, k, found in _SEEN:
+        if ref() is mask and k == key:
+            return found
+    found = _find_structure(mask, causal, sliding_window)
+    _SEEN.insert(0, (weakref.ref(mask), key, found))
+    del _SEEN[_SEEN_SIZE:]
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _collector():
+    """Transformers' record of the outputs a forward collects (None where
+    this version has none)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older Transformers pass the flag
+        return None
+    return _active_collector
+
+
+def _wants_weights(kwargs: dict) -> bool:
+    """Whether the caller records attention weights (output_attentions)."""
+    if kwargs.get("output_attentions"):
+        return True
+    collector = _collector()  # Transformers records them with hooks
+    collected = None if collector is None else collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    position_bias: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Transformers' attention-function interface on qkv.
+
+    Shapes (Transformers'): query [B, Hq, Nq, D], key [B, Hkv, Nk, D],
+    value [B, Hkv, Nk, Dv] (Hq a multiple of Hkv), attention_mask None,
+    bool [B or 1, 1, Nq, Nk] (True = attend) or float (added). Returns
+    (out [B, Nq, Hq, Dv] contiguous, weights [B, Hq, Nq, Nk] or None)."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"qkv: attention sinks ('{name}') are not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    nq = query.shape[2]
+    mask = attention_mask
+    if position_bias is not None:  # as "sdpa": the bias as a float mask
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+        mask = create_position_bias_mask(position_bias, mask, causal and nq > 1 and mask is None,
+                                          query, key)
+    options = dict(causal=False, top_left=True, window_left=-1, key_lengths=None, mask=None)
+    if mask is None:
+        options["causal"] = bool(causal and nq > 1)
+    elif mask.dtype == torch.bool:
+        found = _structure(mask, bool(causal), sliding_window)
+        if found is None:
+            options["mask"] = mask
+        else:
+            options.update(causal=found.causal, top_left=found.top_left,
+                           window_left=found.window_left, key_lengths=found.key_lengths)
+    else:
+        options["mask"] = mask
+
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    scale = None if scaling is None else float(scaling)
+    cap = float(softcap) if softcap else 0.0
+    weights = None
+    wants_weights = _wants_weights(kwargs)
+    trains = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, options["mask"]))
+    if trains or dropout > 0:
+        out, _ = _ops.attention(
+            q, k, v, mask=options["mask"], key_lengths=options["key_lengths"], scale=scale,
+            causal=options["causal"], top_left=options["top_left"],
+            window=(options["window_left"], -1 if options["window_left"] < 0 else 0),
+            softcap=cap, dropout_p=float(dropout))
+        if wants_weights:
+            with torch.no_grad():
+                weights = _plain(q, k, v, options, scale, cap, True)[1]
+    else:
+        out, weights = _plain(q, k, v, options, scale, cap, wants_weights)
+    if weights is not None:
+        weights = weights.to(query.dtype)
+    return out, weights
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar_options(scale, causal: bool, top_left: bool, window_left: int, cap: float):
+    """Prepared options of a call without tensors among them (no mask, no
+    key lengths): every layer of a model, and every decoding step, reuses
+    them instead of building them again."""
+    return _api._options(
+        scale=scale, causal=causal, align="top_left" if top_left else "bottom_right",
+        window=None if window_left < 0 else (window_left, 0), softcap=cap)
+
+
+def _plain(q, k, v, options: dict, scale, cap: float, probs: bool):
+    """One call of qkv.attention (no autograd): (out, probs or None)."""
+    wl = options["window_left"]
+    if options["mask"] is None and options["key_lengths"] is None:
+        o = _scalar_options(scale, options["causal"], options["top_left"], wl, cap)
+    else:
+        o = _api._options(
+            scale=scale, causal=options["causal"],
+            align="top_left" if options["top_left"] else "bottom_right",
+            window=None if wl < 0 else (wl, 0), key_lengths=options["key_lengths"],
+            mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap)
+    r = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=probs)
+    return (r.out, r.probs) if probs else (r, None)

@@ -1,0 +1,358 @@
+#include "attend.hpp"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
+#include "qkv/error.hpp"
+#include "qkv/npy.hpp"
+#include "qkv/positional.hpp"
+
+namespace qkv::tools {
+
+namespace {
+
+std::string shape_text(ConstTensorView t) {
+  std::string s = "[";
+  for (int d = 0; d < t.rank(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+// An integer from `text` (all of it), or an error naming `what`.
+std::int64_t parse_int(const std::string& text, const std::string& what) {
+  std::size_t used = 0;
+  std::int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) {
+    throw Error(what + ": expected an integer, got '" + text + "'");
+  }
+  return v;
+}
+
+// Integers separated by commas (and, with `spaces`, white space); empty
+// items are errors unless white space separates them.
+std::vector<std::int64_t> parse_ints(std::string text, const std::string& what,
+                                     bool spaces = false) {
+  if (spaces) {
+    std::replace_if(
+        text.begin(), text.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
+  }
+  std::vector<std::int64_t> out;
+  std::string item;
+  std::stringstream in(text);
+  while (std::getline(in, item, ',')) {
+    if (!spaces) {
+      out.push_back(parse_int(item, what));
+      continue;
+    }
+    std::stringstream words(item);
+    std::string word;
+    bool any = false;
+    while (words >> word) {
+      out.push_back(parse_int(word, what));
+      any = true;
+    }
+    if (!any) throw Error(what + ": expected an integer between two commas");
+  }
+  if (!text.empty() && text.back() == ',') throw Error(what + ": expected an integer after ','");
+  return out;
+}
+
+// "L,R" -> (left, right).
+std::pair<std::int64_t, std::int64_t> parse_window(const std::string& text) {
+  const std::vector<std::int64_t> v = parse_ints(text, "--window");
+  if (v.size() != 2) {
+    throw Error("--window: expected L,R (two integers, -1 = unbounded), got '" + text + "'");
+  }
+  return {v[0], v[1]};
+}
+
+// "N,N,..." or a text file of integers separated by commas or white space.
+std::vector<std::int64_t> parse_key_lengths(const std::string& arg) {
+  if (arg.find_first_not_of("0123456789,-") == std::string::npos) {
+    return parse_ints(arg, "--key-lengths");
+  }
+  std::ifstream file(arg);
+  if (!file) throw Error("--key-lengths: cannot read '" + arg + "' (not a list N,N,... either)");
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return parse_ints(text, "--key-lengths (" + arg + ")", true);
+}
+
+// [B, N, H, D] view of a rank-4 array in `layout`.
+ConstTensorView as_bnhd(ConstTensorView t, const std::string& layout, const std::string& name) {
+  if (t.rank() != 4) {
+    throw Error(name + ": expected a 4-D array (" +
+                (layout == "bnhd" ? "[B, N, H, D]" : "[B, H, N, D]") + "), got shape " +
+                shape_text(t));
+  }
+  if (layout == "bnhd") return t;
+  const std::vector<std::int64_t> sizes = {t.size(0), t.size(2), t.size(1), t.size(3)};
+  const std::vector<std::int64_t> strides = {t.stride(0), t.stride(2), t.stride(1), t.stride(3)};
+  return ConstTensorView(t.data(), t.dtype(), sizes, strides);
+}
+
+TensorView as_bnhd(TensorView t, const std::string& layout) {
+  if (layout == "bnhd") return t;
+  const std::vector<std::int64_t> sizes = {t.size(0), t.size(2), t.size(1), t.size(3)};
+  const std::vector<std::int64_t> strides = {t.stride(0), t.stride(2), t.stride(1), t.stride(3)};
+  return TensorView(t.data(), t.dtype(), sizes, strides);
+}
+
+// An array in `layout` for a [B, N, H, D] result of these sizes.
+Tensor allocate(DType dtype, std::int64_t b, std::int64_t n, std::int64_t h, std::int64_t d,
+                const std::string& layout) {
+  return layout == "bnhd" ? Tensor(dtype, {b, n, h, d}) : Tensor(dtype, {b, h, n, d});
+}
+
+DType dtype_named(const std::string& name) {
+  if (name == "f32") return DType::f32;
+  if (name == "bf16") return DType::bf16;
+  if (name == "f16") return DType::f16;
+  if (name == "f64") return DType::f64;
+  throw Error("--dtype: expected f32, bf16, f16 or f64, got '" + name + "'");
+}
+
+std::string number(double x) {
+  std::ostringstream s;
+  s << x;
+  return s.str();
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// The option values, checked; the files each output goes to.
+struct Plan {
+  AttentionOptions options;
+  std::vector<std::int64_t> key_lengths;
+  std::vector<float> slopes;
+  Tensor mask;
+  std::vector<std::string> described;  // options as text, for the summary
+};
+
+// Every output path: given once, not an input, in a folder that exists and
+// can be written (so that no output is written unless all can be).
+void check_outputs(const AttendOptions& o) {
+  std::set<std::string> seen;
+  const std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.dout};
+  for (const auto& [flag, path] :
+       std::vector<std::pair<std::string, std::string>>{{"-o", o.out},
+                                                        {"--lse", o.lse},
+                                                        {"--probs", o.probs},
+                                                        {"--dq", o.dq},
+                                                        {"--dk", o.dk},
+                                                        {"--dv", o.dv}}) {
+    if (path.empty()) continue;
+    if (!seen.insert(path).second) throw Error(flag + ": '" + path + "' is also another output");
+    if (inputs.count(path) != 0) throw Error(flag + ": '" + path + "' is also an input");
+    const std::size_t slash = path.find_last_of('/');
+    const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    if (slash + 1 == path.size()) throw Error(flag + ": expected a file name, got '" + path + "'");
+    if (::access(folder.c_str(), W_OK) != 0) {
+      throw Error(flag + ": cannot write into folder '" + folder + "' of '" + path + "'");
+    }
+  }
+}
+
+Plan plan_of(const AttendOptions& o, std::int64_t hq) {
+  Plan p;
+  AttentionOptions& a = p.options;
+  if (o.score == "scaled") {
+    a.score = Score::scaled_dot;
+  } else if (o.score == "dot") {
+    a.score = Score::dot;
+  } else {
+    throw Error("--score: expected scaled or dot, got '" + o.score + "'");
+  }
+  a.scale = o.scale;
+  if (o.scale) p.described.push_back("scale " + number(*o.scale));
+  if (a.score == Score::dot) p.described.push_back("dot scores");
+  a.causal = o.causal;
+  if (o.align == "bottom-right") {
+    a.align = Align::bottom_right;
+  } else if (o.align == "top-left") {
+    a.align = Align::top_left;
+  } else {
+    throw Error("--align: expected bottom-right or top-left, got '" + o.align + "'");
+  }
+  if (o.causal) p.described.push_back("causal (" + o.align + ")");
+  if (!o.window.empty()) {
+    std::tie(a.window_left, a.window_right) = parse_window(o.window);
+    p.described.push_back("window (" + std::to_string(a.window_left) + ", " +
+                          std::to_string(a.window_right) + ")");
+  }
+  if (!o.key_lengths.empty()) {
+    p.key_lengths = parse_key_lengths(o.key_lengths);
+    a.key_lengths = p.key_lengths;
+    p.described.push_back("key lengths");
+  }
+  if (!o.mask.empty()) {
+    p.mask = load_npy(o.mask);
+    a.mask = p.mask;
+    p.described.push_back(std::string(p.mask.dtype() == DType::boolean ? "bool" : "float") +
+                          " mask " + shape_text(p.mask));
+  }
+  if (o.alibi && !o.alibi_slopes.empty()) {
+    throw Error("--alibi and --alibi-slopes: expected one of them, got both");
+  }
+  if (o.alibi) {
+    p.slopes = alibi_slopes(hq);
+    p.described.push_back("ALiBi");
+  } else if (!o.alibi_slopes.empty()) {
+    const Tensor s = load_npy(o.alibi_slopes);
+    if (s.dtype() == DType::boolean) {
+      throw Error("--alibi-slopes: expected floating-point slopes, got bool in '" + o.alibi_slopes +
+                  "'");
+    }
+    const Tensor f = to_dtype(s, DType::f32);
+    p.slopes.assign(f.data<float>(), f.data<float>() + f.numel());
+    p.described.push_back("ALiBi slopes " + shape_text(s));
+  }
+  a.alibi_slopes = p.slopes;
+  a.softcap = o.softcap;
+  if (o.softcap != 0.0) p.described.push_back("softcap " + number(o.softcap));
+  a.dropout_p = o.dropout;
+  a.dropout_seed = o.seed;
+  if (o.dropout != 0.0) {
+    p.described.push_back("dropout " + number(o.dropout) + " seed " + std::to_string(o.seed));
+  }
+  if (o.backend == "automatic") {
+    a.backend = Backend::automatic;
+  } else if (o.backend == "fast") {
+    a.backend = Backend::fast;
+  } else if (o.backend == "reference") {
+    a.backend = Backend::reference;
+  } else {
+    throw Error("--backend: expected automatic, fast or reference, got '" + o.backend + "'");
+  }
+  return p;
+}
+
+void check_flags(const AttendOptions& o) {
+  if (o.layout != "bnhd" && o.layout != "bhnd") {
+    throw Error("--layout: expected bnhd or bhnd, got '" + o.layout + "'");
+  }
+  if (o.out.empty()) throw Error("-o: expected an output file");
+  if (o.threads < 0)
+    throw Error("--threads: expected a count >= 1, got " + std::to_string(o.threads));
+  const bool backward = !o.dout.empty();
+  if (!backward && (!o.dq.empty() || !o.dk.empty() || !o.dv.empty())) {
+    throw Error("--dq/--dk/--dv: expected --backward DOUT with them");
+  }
+  if (backward && o.dq.empty() && o.dk.empty() && o.dv.empty()) {
+    throw Error("--backward: expected at least one of --dq, --dk, --dv");
+  }
+}
+
+}  // namespace
+
+int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
+  try {
+    check_flags(o);
+    check_outputs(o);
+    if (o.threads > 0) omp_set_num_threads(o.threads);
+    Tensor q = load_npy(o.q), k = load_npy(o.k), v = load_npy(o.v);
+    if (!o.dtype.empty()) {
+      const DType compute = dtype_named(o.dtype);
+      q = to_dtype(q, compute);
+      k = to_dtype(k, compute);
+      v = to_dtype(v, compute);
+    }
+    const ConstTensorView qv = as_bnhd(q, o.layout, "q (" + o.q + ")");
+    const ConstTensorView kv = as_bnhd(k, o.layout, "k (" + o.k + ")");
+    const ConstTensorView vv = as_bnhd(v, o.layout, "v (" + o.v + ")");
+    Plan plan = plan_of(o, qv.size(2));
+    const std::int64_t b = qv.size(0), nq = qv.size(1), hq = qv.size(2), nk = kv.size(1);
+    const std::int64_t dv = vv.size(3);
+    const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+
+    Tensor result = allocate(q.dtype(), b, nq, hq, dv, o.layout);
+    Tensor lse(stat, {b, hq, nq});
+    Tensor probs = o.probs.empty() ? Tensor() : Tensor(stat, {b, hq, nq, nk});
+    const auto start = std::chrono::steady_clock::now();
+    attention_into(qv, kv, vv, {as_bnhd(result.view(), o.layout), lse.view(), probs.view()},
+                   plan.options);
+    Tensor dout, dq, dk, dvt;
+    if (!o.dout.empty()) {
+      dout = load_npy(o.dout);
+      if (dout.dtype() != q.dtype()) dout = to_dtype(dout, q.dtype());
+      dq = allocate(q.dtype(), b, nq, hq, qv.size(3), o.layout);
+      dk = allocate(q.dtype(), b, nk, kv.size(2), kv.size(3), o.layout);
+      dvt = allocate(q.dtype(), b, nk, vv.size(2), dv, o.layout);
+      attention_backward_into(qv, kv, vv, as_bnhd(result.view(), o.layout),
+                              as_bnhd(dout, o.layout, "dout (" + o.dout + ")"), lse,
+                              {.dq = as_bnhd(dq.view(), o.layout),
+                               .dk = as_bnhd(dk.view(), o.layout),
+                               .dv = as_bnhd(dvt.view(), o.layout)},
+                              plan.options);
+    }
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+
+    std::vector<std::pair<std::string, const Tensor*>> written = {{o.out, &result}};
+    if (!o.lse.empty()) written.emplace_back(o.lse, &lse);
+    if (!o.probs.empty()) written.emplace_back(o.probs, &probs);
+    if (!o.dq.empty()) written.emplace_back(o.dq, &dq);
+    if (!o.dk.empty()) written.emplace_back(o.dk, &dk);
+    if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
+    for (const auto& [path, t] : written) save_npy(path, *t);
+
+    std::string options;
+    for (const std::string& d : plan.described) options += (options.empty() ? "" : ", ") + d;
+    if (o.json) {
+      out << "{\"q\":" << json_string(shape_text(q)) << ",\"k\":" << json_string(shape_text(k))
+          << ",\"v\":" << json_string(shape_text(v)) << ",\"layout\":" << json_string(o.layout)
+          << ",\"dtype\":" << json_string(std::string(dtype_name(q.dtype())))
+          << ",\"options\":" << json_string(options)
+          << ",\"backward\":" << (o.dout.empty() ? "false" : "true")
+          << ",\"threads\":" << omp_get_max_threads() << ",\"milliseconds\":" << ms
+          << ",\"outputs\":[";
+      for (std::size_t i = 0; i < written.size(); ++i) {
+        out << (i ? "," : "") << "{\"path\":" << json_string(written[i].first)
+            << ",\"shape\":" << json_string(shape_text(*written[i].second)) << "}";
+      }
+      out << "]}\n";
+    } else {
+      err << "qkv attend: q " << shape_text(q) << " k " << shape_text(k) << " v " << shape_text(v)
+          << " " << dtype_name(q.dtype()) << " " << o.layout
+          << (options.empty() ? "" : ", " + options) << (o.dout.empty() ? "" : ", backward")
+          << " -> " << o.out << " " << shape_text(result) << " in " << ms << " ms on "
+          << omp_get_max_threads() << " threads\n";
+    }
+    return 0;
+  } catch (const Error& e) {
+    // One line: the reasons of a multi-problem error joined.
+    std::string line;
+    for (const std::string& r : e.reasons()) line += (line.empty() ? "" : "; ") + r;
+    err << "qkv attend: error: " << line << "\n";
+    return 2;
+  }
+}
+
+}  // namespace qkv::tools

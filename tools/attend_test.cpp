@@ -1,0 +1,232 @@
+// `qkv attend` end to end: the binary (QKV_CLI) on .npy files written here,
+// its outputs read back and compared bit for bit with the library's own
+// results for the same options; and its errors: one line, a non-zero exit,
+// no output file created or changed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
+#include "qkv/npy.hpp"
+#include "qkv/positional.hpp"
+
+namespace qkv {
+namespace {
+
+namespace fs = std::filesystem;
+
+Tensor random_tensor(std::initializer_list<std::int64_t> sizes, std::uint32_t seed) {
+  Tensor t(DType::f32, sizes);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+  return t;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.rank() != b.rank()) return false;
+  for (int d = 0; d < a.rank(); ++d) {
+    if (a.size(d) != b.size(d)) return false;
+  }
+  const auto bytes = static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype());
+  return std::memcmp(a.view().data(), b.view().data(), bytes) == 0;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+class Attend : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("qkv_attend_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    q_ = random_tensor({2, 6, 4, 8}, 1);
+    k_ = random_tensor({2, 9, 2, 8}, 2);
+    v_ = random_tensor({2, 9, 2, 8}, 3);
+    save_npy(path("q.npy"), q_);
+    save_npy(path("k.npy"), k_);
+    save_npy(path("v.npy"), v_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Runs `qkv attend q.npy k.npy v.npy ARGS` in the test's folder; returns
+  // the exit status, with stderr in err_.
+  int run(const std::string& args) {
+    const std::string cmd = "cd '" + dir_.string() + "' && '" + QKV_CLI +
+                            "' attend q.npy k.npy v.npy " + args + " 2>stderr.txt >stdout.txt";
+    const int status = std::system(cmd.c_str());
+    err_ = read_text(dir_ / "stderr.txt");
+    out_ = read_text(dir_ / "stdout.txt");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  fs::path dir_;
+  Tensor q_, k_, v_;
+  std::string err_, out_;
+};
+
+TEST_F(Attend, OutputsEqualTheLibrarysBitForBit) {
+  const std::vector<std::int64_t> lengths = {9, 5};
+  AttentionOptions o;
+  o.causal = true;
+  o.window_left = 3;
+  o.window_right = 0;
+  o.key_lengths = lengths;
+  o.softcap = 20.0;
+  o.return_lse = o.return_probs = true;
+  const AttentionResult want = attention(q_, k_, v_, o);
+  ASSERT_EQ(run("-o out.npy --causal --window 3,0 --key-lengths 9,5 --softcap 20 --lse lse.npy "
+                "--probs p.npy"),
+            0)
+      << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), want.out));
+  EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), want.lse));
+  EXPECT_TRUE(same_bits(load_npy(path("p.npy")), want.probs));
+  EXPECT_NE(err_.find("qkv attend: q [2, 6, 4, 8]"), std::string::npos) << err_;
+  EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 1) << err_;
+
+  // Key lengths from a text file, the same result.
+  std::ofstream(path("lengths.txt")) << "9\n5\n";
+  ASSERT_EQ(run("-o out2.npy --causal --window 3,0 --key-lengths lengths.txt --softcap 20"), 0)
+      << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out2.npy")), want.out));
+}
+
+TEST_F(Attend, MasksBiasesDropoutDtypeAndBackend) {
+  Tensor mask(DType::boolean, {6, 9});
+  for (std::int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = (i * 7) % 5 != 0;
+  save_npy(path("mask.npy"), mask);
+  const Tensor slopes = random_tensor({4}, 4);
+  save_npy(path("slopes.npy"), slopes);
+  AttentionOptions o;
+  o.mask = mask;
+  const std::vector<float> s(slopes.data<float>(), slopes.data<float>() + 4);
+  o.alibi_slopes = s;
+  o.dropout_p = 0.25;
+  o.dropout_seed = 17;
+  o.backend = Backend::reference;
+  ASSERT_EQ(run("-o out.npy --mask mask.npy --alibi-slopes slopes.npy --dropout 0.25 --seed 17 "
+                "--backend reference"),
+            0)
+      << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), attention(q_, k_, v_, o).out));
+
+  AttentionOptions paper;
+  const std::vector<float> alibi = alibi_slopes(4);
+  paper.alibi_slopes = alibi;
+  paper.score = Score::dot;
+  const Tensor qb = to_dtype(q_, DType::bf16), kb = to_dtype(k_, DType::bf16),
+               vb = to_dtype(v_, DType::bf16);
+  ASSERT_EQ(run("-o out.npy --alibi --score dot --dtype bf16 --json"), 0) << err_;
+  const Tensor got = load_npy(path("out.npy"));
+  EXPECT_EQ(got.dtype(), DType::bf16);
+  EXPECT_TRUE(same_bits(got, attention(qb, kb, vb, paper).out));
+  EXPECT_NE(out_.find("\"options\":\"dot scores, ALiBi\""), std::string::npos) << out_;
+  EXPECT_NE(out_.find("\"outputs\":[{\"path\":\"out.npy\",\"shape\":\"[2, 6, 4, 8]\"}]"),
+            std::string::npos)
+      << out_;
+}
+
+TEST_F(Attend, PyTorchLayoutAndBackward) {
+  // bhnd: the files hold [B, H, N, D]; results come back in that layout.
+  const ConstTensorView qt(
+      q_.view().data(), DType::f32, std::vector<std::int64_t>{2, 4, 6, 8},
+      std::vector<std::int64_t>{q_.view().stride(0), q_.view().stride(2), q_.view().stride(1), 1});
+  save_npy(path("qt.npy"), qt);
+  const auto transposed = [](const Tensor& t) {
+    return ConstTensorView(t.view().data(), t.dtype(),
+                           std::vector<std::int64_t>{t.size(0), t.size(2), t.size(1), t.size(3)},
+                           std::vector<std::int64_t>{t.view().stride(0), t.view().stride(2),
+                                                     t.view().stride(1), t.view().stride(3)});
+  };
+  save_npy(path("kt.npy"), transposed(k_));
+  save_npy(path("vt.npy"), transposed(v_));
+  const Tensor dout = random_tensor({2, 6, 4, 8}, 5);
+  save_npy(path("dout.npy"), dout);
+  AttentionOptions o;
+  o.causal = true;
+  o.return_lse = true;
+  const AttentionResult fwd = attention(q_, k_, v_, o);
+  const AttentionGradients g = attention_backward(q_, k_, v_, fwd.out, dout, fwd.lse, o);
+
+  ASSERT_EQ(run("-o out.npy --causal --backward dout.npy --dq dq.npy --dk dk.npy --dv dv.npy"), 0)
+      << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), fwd.out));
+  EXPECT_TRUE(same_bits(load_npy(path("dq.npy")), g.dq));
+  EXPECT_TRUE(same_bits(load_npy(path("dk.npy")), g.dk));
+  EXPECT_TRUE(same_bits(load_npy(path("dv.npy")), g.dv));
+
+  const std::string cmd = "cd '" + dir_.string() + "' && '" + QKV_CLI +
+                          "' attend qt.npy kt.npy vt.npy -o outt.npy --layout bhnd --causal "
+                          "2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const Tensor outt = load_npy(path("outt.npy"));
+  ASSERT_EQ(outt.size(1), 4);  // [B, H, N, D]
+  Tensor back(DType::f32, {2, 6, 4, 8});
+  copy(transposed(outt), back);
+  EXPECT_TRUE(same_bits(back, fwd.out));
+}
+
+TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
+  std::ofstream(path("existing.npy")) << "old contents";
+  struct Case {
+    std::string args, message;
+  };
+  const std::vector<Case> cases = {
+      {"-o out.npy --window 3", "--window: expected L,R"},
+      {"-o out.npy --window 3,x", "--window: expected an integer, got 'x'"},
+      {"-o out.npy --key-lengths 9,5,1", "key_lengths"},
+      {"-o out.npy --key-lengths missing.txt", "--key-lengths: cannot read 'missing.txt'"},
+      {"-o out.npy --mask missing.npy", "missing.npy: cannot open the file for reading"},
+      {"-o out.npy --score additive", "--score: expected scaled or dot"},
+      {"-o out.npy --align middle", "--align: expected bottom-right or top-left"},
+      {"-o out.npy --layout nhd", "--layout: expected bnhd or bhnd"},
+      {"-o out.npy --dtype f8", "--dtype: expected f32, bf16, f16 or f64"},
+      {"-o out.npy --backend gpu", "--backend: expected automatic, fast or reference"},
+      {"-o out.npy --dropout 1.5", "dropout_p"},
+      {"-o out.npy --softcap x", "--softcap"},
+      {"-o out.npy --alibi --alibi-slopes q.npy", "expected one of them, got both"},
+      {"-o out.npy --dq dq.npy", "expected --backward DOUT with them"},
+      {"-o out.npy --lse out.npy", "is also another output"},
+      {"-o q.npy", "is also an input"},
+      {"-o nowhere/out.npy", "cannot write into folder 'nowhere/'"},
+      {"-o existing.npy --key-lengths 99,1", "key_lengths"},
+      {"-o existing.npy --backward k.npy --dq dq.npy", "dout"},
+      {"--causal", "--out is required"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    EXPECT_EQ(run(c.args), 2);
+    EXPECT_NE(err_.find(c.message), std::string::npos) << err_;
+    EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 1) << err_;
+    EXPECT_FALSE(fs::exists(dir_ / "out.npy"));
+    EXPECT_FALSE(fs::exists(dir_ / "dq.npy"));
+    EXPECT_EQ(read_text(dir_ / "existing.npy"), "old contents");
+  }
+  // A shape mismatch between files.
+  save_npy(path("k.npy"), random_tensor({2, 9, 2, 4}, 6));
+  EXPECT_EQ(run("-o out.npy"), 2);
+  EXPECT_NE(err_.find("qkv attend: error: "), std::string::npos) << err_;
+  EXPECT_FALSE(fs::exists(dir_ / "out.npy"));
+  std::size_t entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++entries;
+  EXPECT_EQ(entries, 6u);  // q, k, v, existing, stderr.txt, stdout.txt: nothing else
+}
+
+}  // namespace
+}  // namespace qkv
