@@ -55,6 +55,10 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
                        ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                        ConstTensorView lse, const GradientOutputs& grads,
                        const AttentionOptions& o) {
+  if (cpu::additive_own_weights(o)) {
+    const Tensor lse32 = to_dtype(lse, DType::f32);
+    return cpu::additive_backward(p, o, q, k, v, out, dout, {}, lse32, grads);
+  }
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
   Tensor probs(DType::f32, {p.batch, p.hq, p.nq, p.nk});
@@ -64,7 +68,7 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
   plan.row_max = row_max;
   plan.row_sum = row_sum;
   cpu::flash_probabilities(plan);
-  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
+  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, {}, grads);
 }
 
 // Runs a validated call on the backend the options choose: the fused

@@ -6,6 +6,9 @@
 #define HWY_TARGET_INCLUDE "cpu/additive_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // (foreach_target.h must come first: it re-includes this file per target.)
+#include <cmath>
+#include <cstdint>
+
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -42,6 +45,25 @@ void ChainRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::i
   }
 }
 
+// The weights of one query row against `keys` keys (rows c * ld of uk):
+//   p[c] = exp(v . tanh(uq + uk[c]) - lse)
+// with the row's lse from the forward.
+void WeightRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::int64_t ld,
+               std::int64_t keys, const float* HWY_RESTRICT v, std::int64_t a_pad, float lse,
+               float* HWY_RESTRICT p) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t c = 0; c < keys; ++c) {
+    const float* ukc = uk + c * ld;
+    auto acc = hn::Zero(d);
+    for (std::int64_t a = 0; a < a_pad; a += lanes) {
+      const auto t = hn::Tanh(d, hn::Add(hn::LoadU(d, uq + a), hn::LoadU(d, ukc + a)));
+      acc = hn::MulAdd(hn::LoadU(d, v + a), t, acc);
+    }
+    p[c] = std::exp(hn::GetLane(hn::SumOfLanes(d, acc)) - lse);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::cpu
 HWY_AFTER_NAMESPACE();
@@ -59,6 +81,7 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::cpu {
 
 HWY_EXPORT(ChainRow);
+HWY_EXPORT(WeightRow);
 
 namespace {
 
@@ -140,15 +163,24 @@ bool additive_backward_supports(const AttentionOptions& o) {
   return o.dropout_p == 0.0 && o.softcap == 0.0 && !o.relative_bias.table.defined();
 }
 
+bool additive_own_weights(const AttentionOptions& o) {
+  return !o.causal && o.window_left < 0 && o.window_right < 0 && o.cu_seqlens_q.empty() &&
+         o.cu_seqlens_k.empty() && !o.mask.defined() && o.alibi_slopes.empty() &&
+         !o.relative_bias.table.defined() && o.softcap == 0.0 && !o.score_mod && !o.mask_mod &&
+         !o.sparse.defined() && o.dropout_p == 0.0;
+}
+
 bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions& o,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
-                       ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {
+                       ConstTensorView dout, ConstTensorView probs, ConstTensorView lse,
+                       const GradientOutputs& grads) {
   const std::int64_t A = p.attention_size, a_pad = (A + 15) / 16 * 16;
   const std::int64_t rows_q = p.batch * p.nq * p.hq;             // rows of q, out, dout
   const std::int64_t rows_k = p.batch * p.nk * p.hkv;            // rows of k, v
   Floats qs(q), ks(k);                                           // [rows_q][Dq], [rows_k][Dk]
   const Floats vs(v), outs(out), douts(dout);                    // [rows_k][Dv], [rows_q][Dv] x 2
-  const Floats ps(probs);                                        // [B][Hq][Nq][Nk]
+  const Floats ps(probs);                                        // [B][Hq][Nq][Nk], or null
+  const Floats lses(probs.defined() ? ConstTensorView() : lse);  // [B][Hq][Nq]
   const Floats w_q(o.additive.w_q), w_k(o.additive.w_k);         // [A][Dq], [A][Dk]
   const Floats v_weight(o.additive.v);                           // [A]
   std::vector<float> v_a(v_weight.data(), v_weight.data() + A);  // [a_pad], zero past A
@@ -181,15 +213,28 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
     const std::int64_t k_row = (seq.batch * p.nk + seq.k_begin) * p.hkv + hk;  // key 0's row
     std::vector<float> dp(static_cast<std::size_t>(nq * nk));                  // [nq][nk]
     std::vector<float> ds(static_cast<std::size_t>(nk));  // dS of one query row
+    // Without `probs`, the weights of one head [nq][nk] from UQ, UK and lse.
+    std::vector<float> own(ps.data() ? 0 : static_cast<std::size_t>(nq * nk));
     for (std::int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
       const std::int64_t q_row = (seq.batch * p.nq + seq.q_begin) * p.hq + h;  // query 0's row
-      const float* prob = ps.data() + ((seq.batch * p.hq + h) * p.nq + seq.q_begin) * p.nk +
-                          seq.k_begin;  // [nq] rows of stride Nk
+      const float* prob = own.data();  // [nq] rows of stride ld_p
+      std::int64_t ld_p = nk;
+      if (ps.data()) {
+        prob = ps.data() + ((seq.batch * p.hq + h) * p.nq + seq.q_begin) * p.nk + seq.k_begin;
+        ld_p = p.nk;
+      } else {
+        const float* lse_h = lses.data() + (seq.batch * p.hq + h) * p.nq + seq.q_begin;
+        for (std::int64_t i = 0; i < nq; ++i) {
+          HWY_DYNAMIC_DISPATCH(WeightRow)
+          (uq.data() + (q_row + i * p.hq) * a_pad, uk.data() + k_row * a_pad, p.hkv * a_pad, nk,
+           v_a.data(), a_pad, lse_h[i], own.data() + i * nk);
+        }
+      }
       const float* dout_h = douts.data() + q_row * p.dv;
       // dP = dO V^T [nq][nk]; dV += P^T dO [nk][Dv].
       detail::gemm(DType::f32, false, true, nq, nk, p.dv, 1.0, dout_h, ld_q,
                    vs.data() + k_row * p.dv, ld_k, 0.0, dp.data(), nk);
-      detail::gemm(DType::f32, true, false, nk, p.dv, nq, 1.0, prob, p.nk, dout_h, ld_q, 1.0,
+      detail::gemm(DType::f32, true, false, nk, p.dv, nq, 1.0, prob, ld_p, dout_h, ld_q, 1.0,
                    dvs.data() + k_row * p.dv, ld_k);
       for (std::int64_t i = 0; i < nq; ++i) {
         const std::int64_t row = q_row + i * p.hq;
@@ -199,7 +244,7 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
         }
         bool any = false;
         for (std::int64_t j = 0; j < nk; ++j) {
-          const float pij = prob[i * p.nk + j];
+          const float pij = prob[i * ld_p + j];
           // A weight of exactly 0 (a dropped key) cancels its terms, even a
           // NaN or inf from a value it never meets.
           ds[j] = pij == 0.0f ? 0.0f : pij * (dp[i * nk + j] - d_i);

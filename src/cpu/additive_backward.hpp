@@ -25,13 +25,20 @@ namespace qkv::cpu {
 // backward.
 bool additive_backward_supports(const AttentionOptions& options);
 
+// Whether additive_backward may compute a call's weights itself: no mask,
+// bias or sequence packing but key_lengths, which bound its key loops.
+bool additive_own_weights(const AttentionOptions& options);
+
 // The gradients of a validated Score::additive call into `grads`. `probs`
 // [B, Hq, Nq, Nk] (f32 or f64) are the forward's softmax weights of this
-// call. Runs on OpenMP threads over (sequence, KV head) pairs, each written
-// by one thread, with GEMMs cut into fixed blocks, so the result does not
-// depend on the thread count. Returns whether every gradient is finite.
+// call; undefined, they are computed here from the projections and `lse`
+// [B, Hq, Nq] (f32), which only a call whose one mask is key_lengths may
+// do (see additive_own_weights). Runs on OpenMP threads over (sequence, KV head) pairs, each
+// written by one thread, with GEMMs cut into fixed blocks, so the result does not depend on the
+// thread count. Returns whether every gradient is finite.
 bool additive_backward(const detail::AttentionProblem& problem, const AttentionOptions& options,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
-                       ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads);
+                       ConstTensorView dout, ConstTensorView probs, ConstTensorView lse,
+                       const GradientOutputs& grads);
 
 }  // namespace qkv::cpu
