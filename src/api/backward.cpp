@@ -49,7 +49,9 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
 // probabilities pass gives the weights P = exp(s - lse) with every mask and
 // bias applied (the caller's lse as the row maximum, 1 as the row sum, as
 // the fused backward recomputes P from lse), and cpu::additive_backward
-// differentiates the score. Returns whether every gradient it wrote is
+// differentiates the score. A call whose one mask is key_lengths skips the
+// probabilities pass: the kernel computes P from its own projections and
+// lse (one key projection fewer). Returns whether every gradient it wrote is
 // finite.
 bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                        ConstTensorView v, ConstTensorView out, ConstTensorView dout,

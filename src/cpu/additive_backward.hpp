@@ -1,6 +1,8 @@
 // The fast backward of Score::additive. The softmax weights P come from the
-// forward's probabilities pass (which applies every mask and bias), so this
-// file only differentiates the score itself. Computes in f32; per sequence
+// forward's probabilities pass (which applies every mask and bias), or,
+// when key_lengths is a call's one mask, from this file's own projections
+// as P_ij = exp(v . tanh(UQ_i + UK_j) - lse_i); this file only
+// differentiates the score itself. Computes in f32; per sequence
 // b and KV head, over the query heads h of its group (shapes of one head):
 //
 //   UQ = Q W_q^T + bias  [Nq, A],   UK = K W_k^T  [Nk, A]      (GEMMs)
