@@ -286,8 +286,8 @@ TEST(AdditiveModule, EmptySourceGivesZeroContext) {
 }
 
 TEST(AdditiveModule, ResultsDoNotDependOnTheThreadCount) {
-  // B * S * H = 20480 encoder elements: above the 2^14 below which the
-  // module stays on one thread.
+  // Eight sequences of 64-wide rows: the attention kernels and GEMMs split
+  // this among the threads.
   nn::AdditiveAttention att(64);
   nn::init_uniform(att.named_parameters(), 41);
   const Tensor hidden = random_tensor(DType::f32, {8, 64}, 42);

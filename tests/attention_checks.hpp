@@ -157,6 +157,21 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
 
 inline Tensor f64(ConstTensorView t) { return qkv::to_dtype(t, DType::f64); }
 
+// max_j sum_i P_ij over the query heads of a KV head: the most weight one
+// key (its dk and dv) receives. probs [B, Hq, Nq, Nk].
+inline double key_mass(ConstTensorView probs, const qkv::detail::AttentionProblem& p) {
+  double mass = 0.0;
+  for (std::int64_t b = 0; b < probs.size(0); ++b)
+    for (std::int64_t hk = 0; hk < p.hkv; ++hk)
+      for (std::int64_t j = 0; j < probs.size(3); ++j) {
+        double m = 0.0;
+        for (std::int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
+          for (std::int64_t i = 0; i < probs.size(2); ++i) m += probs.get({b, h, i, j});
+        mass = std::max(mass, m);
+      }
+  return mass;
+}
+
 // Runs forward and backward on the fast backend, as a training step would,
 // and checks every gradient against the reference with `rule` (the
 // worst-case bound for dot-product scores, whose backward is fused).
@@ -194,15 +209,7 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
 
   const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
   const ConstTensorView probs = ref_fwd.probs;
-  double key_mass = 0.0;  // max_j sum_i P_ij over the query heads of a KV head
-  for (std::int64_t bb = 0; bb < probs.size(0); ++bb)
-    for (std::int64_t hk = 0; hk < problem.hkv; ++hk)
-      for (std::int64_t j = 0; j < probs.size(3); ++j) {
-        double mass = 0.0;
-        for (std::int64_t h = hk * problem.group(); h < (hk + 1) * problem.group(); ++h)
-          for (std::int64_t i = 0; i < probs.size(2); ++i) mass += probs.get({bb, h, i, j});
-        key_mass = std::max(key_mass, mass);
-      }
+  const double key_mass = qkv::test::key_mass(probs, problem);
   // The largest sum of P_ij over the (b, i, j) of one relative-bias bucket
   // (packed sequences and key lengths move positions: a head's whole mass,
   // an upper bound).

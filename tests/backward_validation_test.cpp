@@ -115,15 +115,17 @@ const std::vector<Row>& rows() {
          c.custom = {c.dq, c.dk, c.dv, c.d_table};
        },
        {"d_relative_bias: given, but the options have no relative_bias.table"}},
-      {"fast additive",
+      {"fast additive with softcap",
        [](Call& c) {
          static Tensor w{DType::f32, {3, 8}}, va{DType::f32, {3}};
          c.options.score = qkv::Score::additive;
          c.options.additive = {w, w, va, {}};
+         c.options.softcap = 2.0;
          c.options.backend = qkv::Backend::fast;
          c.into = false;
        },
-       {"options.backend: Backend::fast has no backward for Score::additive"}},
+       {"options.backend: Backend::fast has no backward for Score::additive with dropout, softcap "
+        "or a relative position bias"}},
   };
   return table;
 }

@@ -254,23 +254,4 @@ TEST(FlashBackward, EveryHighwayTargetThisCpuRuns) {
   EXPECT_GE(ran.size(), 2u) << "expected the native target and at least one fallback";
 }
 
-// The additive score's backward runs the reference on Backend::automatic
-// and is refused by Backend::fast.
-TEST(FlashBackward, AdditiveScoreUsesTheReference) {
-  const Inputs x = make_inputs(1, 5, 9, 1, 1, 6, 4, DType::f32, 91);
-  const Tensor w_q = random_tensor(DType::f32, {3, 6}, 92);
-  const Tensor w_k = random_tensor(DType::f32, {3, 6}, 93);
-  const Tensor v_a = random_tensor(DType::f32, {3}, 94);
-  AttentionOptions o;
-  o.score = qkv::Score::additive;
-  o.additive = {w_q, w_k, v_a, {}};
-  o.return_lse = true;
-  const auto fwd = qkv::attention(x.q, x.k, x.v, o);
-  const Tensor dout = random_tensor(DType::f32, {1, 5, 1, 4}, 95);
-  const auto g = qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, o);
-  EXPECT_TRUE(g.d_additive_w_q.defined());
-  o.backend = qkv::Backend::fast;
-  EXPECT_THROW(qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, o), qkv::Error);
-}
-
 }  // namespace

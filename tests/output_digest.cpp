@@ -107,8 +107,8 @@ void attention_case(const std::string& name, Shape s, DType dtype, AttentionOpti
   forward.add(r.lse);
   forward.add(r.probs);
   print(name + " forward", forward);
-  // The additive score's backward is the reference's; score_mod has none.
-  if (o.score == qkv::Score::additive || o.score_mod) return;
+  // score_mod has no backward.
+  if (o.score_mod) return;
   const Tensor dout = filled(dtype, {s.b, s.nq, s.hq, s.d}, seed + 3);
   const qkv::AttentionGradients g = qkv::attention_backward(q, k, v, r.out, dout, r.lse, o);
   Digest backward;
@@ -116,6 +116,10 @@ void attention_case(const std::string& name, Shape s, DType dtype, AttentionOpti
   backward.add(g.dk);
   backward.add(g.dv);
   backward.add(g.d_relative_bias);
+  for (const Tensor* t :
+       {&g.d_additive_w_q, &g.d_additive_w_k, &g.d_additive_v, &g.d_additive_bias}) {
+    backward.add(*t);
+  }
   print(name + " backward", backward);
 }
 

@@ -370,7 +370,7 @@ TEST(Regression, ReferenceBackwardRecomputesItsLogsumexp) {
         qkv::attention_backward(qv, kv, vv, f.out, ConstTensorView(dout, {1, 1, 1, 1}), f.lse, o);
     EXPECT_EQ(g.dv.get({0, 0, 0, 0}), 1.0) << static_cast<int>(b);
   }
-  // The additive score, whose backward every backend runs on the reference.
+  // The additive score, on its fast backward (automatic) and the reference.
   const float w_q[] = {1.0f}, w_k[] = {0.0f}, v_a[] = {5000.0f}, q_a[] = {0.3f}, k_a[] = {0.0f};
   AttentionOptions a;
   a.score = qkv::Score::additive;

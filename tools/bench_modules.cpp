@@ -1,7 +1,8 @@
 // `qkv bench --suite modules`: the layers of qkv::nn at the shapes models use
 // them: a BERT-base self-attention block, one decode step of a grouped-query
-// decoder block against a KV cache, and squeeze-and-excitation and CBAM on a
-// 64 x 56 x 56 feature map. bench/compare_torch.py times the PyTorch (and
+// decoder block against a KV cache, one step of a seq2seq decoder's additive
+// attention, and squeeze-and-excitation and CBAM on a 64 x 56 x 56 feature
+// map. bench/compare_torch.py times the PyTorch (and
 // timm) equivalents of the same records.
 #include <omp.h>
 
@@ -17,6 +18,7 @@
 #include "bench.hpp"
 #include "bench_common.hpp"
 #include "peak_probe.hpp"
+#include "qkv/modules/additive.hpp"
 #include "qkv/modules/multihead_attention.hpp"
 #include "qkv/modules/vision.hpp"
 
@@ -25,14 +27,22 @@ namespace {
 
 constexpr std::uint32_t kSeed = 20240503;
 
-enum class Module : std::uint8_t { mha, mha_backward, gqa_decode, se, cbam };
+enum class Module : std::uint8_t {
+  mha,
+  mha_backward,
+  gqa_decode,
+  additive,
+  additive_backward,
+  se,
+  cbam
+};
 
 struct ModuleCase {
   std::string name;
   Module module;
   std::int64_t b = 1;
-  std::int64_t n = 0;      // mha: sequence length; gqa_decode: cache length L
-  std::int64_t e = 0;      // embedding (mha, gqa_decode) or channels (se, cbam)
+  std::int64_t n = 0;      // mha: sequence length; gqa_decode: cache length L; additive: S
+  std::int64_t e = 0;      // embedding (mha, gqa_decode, additive) or channels (se, cbam)
   std::int64_t heads = 0;  // query heads
   std::int64_t kv_heads = 0;
   std::int64_t h = 0, w = 0;  // feature map (se, cbam)
@@ -56,6 +66,15 @@ std::vector<ModuleCase> module_cases(int shrink) {
   const double step = 2.0 * 2048.0 * (2048.0 + 2.0 * 512.0 + 2048.0) + 4.0 * 32.0 * l * 64.0;
   cases.push_back({"mod/gqa_decode/B1/E2048/Hq32/Hkv8/L" + std::to_string(l), Module::gqa_decode, 1,
                    l, 2048, 32, 8, 0, 0, step});
+  // One decoder step of Bahdanau attention: B = 32 hidden states of H = 512
+  // against S = 64 encoder outputs. The encoder projection (2 B S H^2 flops)
+  // dominates; the backward recomputes it and adds its two products.
+  const std::int64_t s = std::max(1, 64 / shrink);
+  const double energy = 2.0 * 32.0 * s * 512.0 * 512.0;
+  const std::string additive = "mod/additive/B32/S" + std::to_string(s) + "/H512";
+  cases.push_back({additive + "/forward", Module::additive, 32, s, 512, 0, 0, 0, 0, energy});
+  cases.push_back(
+      {additive + "/backward", Module::additive_backward, 32, s, 512, 0, 0, 0, 0, 3.0 * energy});
   const std::string map = "/B1/C64/H" + std::to_string(hw) + "/W" + std::to_string(hw);
   cases.push_back({"mod/se" + map + "/nchw", Module::se, 1, 0, 64, 0, 0, hw, hw, 0.0});
   cases.push_back({"mod/cbam" + map + "/nchw", Module::cbam, 1, 0, 64, 0, 0, hw, hw, 0.0});
@@ -138,6 +157,21 @@ int run_modules_bench(std::ostream& out, std::ostream& progress, const BenchOpti
         auto x = std::make_shared<Tensor>(random_tensor(DType::f32, {c.b, 1, c.e}, rng));
         call = [m, cache, x] { m->forward_step(*x, *cache); };
         state = cache;
+        break;
+      }
+      case Module::additive:
+      case Module::additive_backward: {
+        auto m = std::make_shared<nn::AdditiveAttention>(c.e);
+        nn::init_uniform(m->named_parameters(), kSeed);
+        auto hidden = std::make_shared<Tensor>(random_tensor(DType::f32, {c.b, c.e}, rng));
+        auto enc = std::make_shared<Tensor>(random_tensor(DType::f32, {c.b, c.n, c.e}, rng));
+        if (c.module == Module::additive) {
+          call = [m, hidden, enc] { m->forward(*hidden, *enc); };
+        } else {
+          auto dc = std::make_shared<Tensor>(random_tensor(DType::f32, {c.b, c.e}, rng));
+          call = [m, hidden, enc, dc] { m->backward(*hidden, *enc, {}, *dc); };
+        }
+        state = m;
         break;
       }
       case Module::se: {

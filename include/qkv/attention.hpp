@@ -80,7 +80,7 @@ enum class Align : std::uint8_t { top_left, bottom_right };
 
 // Which implementation runs the call.
 enum class Backend : std::uint8_t {
-  automatic,  // the fastest backend that supports the call (additive backward: reference)
+  automatic,  // the fastest backend that supports the call (see qkv/backward.hpp)
   reference,  // plain loops in double: the specification
   fast,       // fused CPU kernels
 };

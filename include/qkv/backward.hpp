@@ -23,11 +23,14 @@
 // has no derivative here and is rejected.
 //
 // Backends: the fused backward runs dot-product scores (Score::scaled_dot,
-// Score::dot). Score::additive has only the reference backward:
-// Backend::automatic runs it there, Backend::reference too, and
-// Backend::fast is rejected with a qkv::Error saying so. A fused result
-// holding a NaN or an infinity is recomputed by the reference (see
-// docs/semantics.md).
+// Score::dot). Score::additive has a fast backward in f32 (GEMMs and one
+// vectorized tanh loop over the admitted pairs, with the weights from the
+// forward's probabilities pass, so B * Hq * Nq * Nk floats of scratch) for
+// every option but dropout, softcap and the relative position bias; with
+// those, Backend::automatic runs the reference backward and Backend::fast is
+// rejected with a qkv::Error saying so. As for every score, f64 inputs run
+// the reference on Backend::automatic. A fast result holding a NaN or an
+// infinity is recomputed by the reference (see docs/semantics.md).
 //
 // FlashAttention-2's form: with P recomputed from lse, Z the dropout mask
 // and r = 1 / (1 - dropout_p),

@@ -3,8 +3,10 @@
 
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
+#include "core/elements.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
+#include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
 #include "reference/backward.hpp"
@@ -43,15 +45,46 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   return cpu::flash_backward(plan, {out, dout, lse, grads});
 }
 
+// The fast backward of Score::additive on a validated call: the forward's
+// probabilities pass gives the weights P = exp(s - lse) with every mask and
+// bias applied (the caller's lse as the row maximum, 1 as the row sum, as
+// the fused backward recomputes P from lse), and cpu::additive_backward
+// differentiates the score. A call whose one mask is key_lengths skips the
+// probabilities pass: the kernel computes P from its own projections and
+// lse (one key projection fewer). Returns whether every gradient it wrote is
+// finite.
+bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                       ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                       ConstTensorView lse, const GradientOutputs& grads,
+                       const AttentionOptions& o) {
+  if (cpu::additive_own_weights(o)) {
+    const Tensor lse32 = to_dtype(lse, DType::f32);
+    return cpu::additive_backward(p, o, q, k, v, out, dout, {}, lse32, grads);
+  }
+  const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
+  const detail::TileMods mods = detail::function_tile_mods(functions);
+  Tensor probs(DType::f32, {p.batch, p.hq, p.nq, p.nk});
+  cpu::FlashPlan plan = cpu::make_plan(p, o, mods, q, k, v, {}, {}, probs);
+  Tensor row_max = to_dtype(lse, DType::f32), row_sum(DType::f32, {p.batch, p.hq, p.nq});
+  detail::fill(row_sum, 1.0);
+  plan.row_max = row_max;
+  plan.row_sum = row_sum;
+  cpu::flash_probabilities(plan);
+  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, {}, grads);
+}
+
 // Runs a validated call on the backend the options choose: the fused
-// backward for dot-product scores, the reference for the additive score. A
-// fused result holding a NaN or an infinity is recomputed by the reference,
+// backward for dot-product scores, cpu::additive_backward for the additive
+// score without dropout, softcap or relative bias, else the reference. A
+// fast result holding a NaN or an infinity is recomputed by the reference,
 // which defines it (see docs/semantics.md).
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
-  if (detail::use_fast_kernels(o, p.dtype, o.score != Score::additive) &&
-      run_fast(p, q, k, v, out, dout, lse, grads, o)) {
+  const bool additive = o.score == Score::additive;
+  if (detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o)) &&
+      (additive ? run_fast_additive(p, q, k, v, out, dout, lse, grads, o)
+                : run_fast(p, q, k, v, out, dout, lse, grads, o))) {
     return;
   }
   reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);

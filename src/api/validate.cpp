@@ -9,6 +9,7 @@
 
 #include "core/elements.hpp"
 #include "core/sparse.hpp"
+#include "cpu/additive_backward.hpp"
 
 namespace qkv::detail {
 
@@ -415,10 +416,11 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
         "modification with the built-in biases, softcap or a float mask, or use mask_mod for "
         "masking)");
   }
-  if (o.backend == Backend::fast && o.score == Score::additive) {
+  if (o.backend == Backend::fast && o.score == Score::additive &&
+      !cpu::additive_backward_supports(o)) {
     r.push_back(
-        "options.backend: Backend::fast has no backward for Score::additive (Backend::automatic "
-        "runs the reference backward for it)");
+        "options.backend: Backend::fast has no backward for Score::additive with dropout, softcap "
+        "or a relative position bias (Backend::automatic runs the reference backward for it)");
   }
   throw_if(r);
 }

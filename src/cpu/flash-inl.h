@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/gemm.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
@@ -160,19 +161,14 @@ inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::
 }
 
 // y[n][a_pad] = x[n][in] W^T (+ bias) for W [A][in] f32; pad columns zero.
+// One GEMM on OpenBLAS (serial inside a unit's thread; summation order is
+// OpenBLAS's, not left to right).
 inline void Project(const float* HWY_RESTRICT x, std::int64_t n, std::int64_t in,
                     const std::vector<float>& w, const std::vector<float>& bias,
                     std::int64_t a_size, std::int64_t a_pad, float* HWY_RESTRICT y) {
-  for (std::int64_t r = 0; r < n; ++r) {
-    for (std::int64_t a = 0; a < a_pad; ++a) {
-      float acc = 0.0f;
-      if (a < a_size) {
-        for (std::int64_t t = 0; t < in; ++t) acc += x[r * in + t] * w[a * in + t];
-        if (!bias.empty()) acc += bias[a];
-      }
-      y[r * a_pad + a] = acc;
-    }
-  }
+  detail::gemm(DType::f32, false, true, n, a_size, in, 1.0, x, in, w.data(), in, 0.0, y, a_pad,
+               bias.empty() ? nullptr : bias.data());
+  for (std::int64_t r = 0; r < n; ++r) std::fill(y + r * a_pad + a_size, y + (r + 1) * a_pad, 0.0f);
 }
 
 // S^T[c][r] = sum_a v[a] tanh(qa[r][a] + ka[c][a]) (the additive score).

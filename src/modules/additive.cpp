@@ -1,16 +1,16 @@
-// Additive (Bahdanau) attention, one decoder step: two GEMMs on the split
-// attn.weight (W_e over all B * S encoder rows, W_h over the B hidden
-// states), then per row tanh, the v projection, a softmax over the valid
-// positions and the weighted sum of encoder outputs.
+// Additive (Bahdanau) attention, one decoder step, as one call of
+// qkv::attention with Score::additive (forward) and one of
+// qkv::attention_backward (backward): the score, the softmax, the masking of
+// padded positions and every derivative are the library's.
 #include "qkv/modules/additive.hpp"
 
-#include <algorithm>
-#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "modules/common.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -23,10 +23,6 @@ struct Geometry {
   std::int64_t hidden = 0;
   std::vector<std::int64_t> lengths;  // [B], resolved (all S when none were given)
   bool known = false;                 // B and S are known (encoder_outputs is usable)
-
-  // Whether the per-row loops use OpenMP threads: below 2^14 encoder
-  // elements waking the team costs more than the loops.
-  bool threaded() const { return batch * source * hidden >= (1 << 14); }
 };
 
 Geometry check_inputs(ConstTensorView hidden, ConstTensorView enc,
@@ -85,146 +81,54 @@ void check_gradient(const char* name, ConstTensorView d, std::int64_t rows, std:
   }
 }
 
-// What the forward computes and the backward reuses.
-template <class T>
-struct Step {
-  std::vector<T> energy;   // [B * S, H] tanh(...) at valid positions
-  std::vector<T> weights;  // [B * S], 0 at padded positions
-};
-
-// The parameters as contiguous values of T: w [H, 2H], bias [H], v [H].
-template <class T>
+// The parameters as contiguous values of the compute dtype: w [H, 2H],
+// bias [H], v [1, H].
 struct Weights {
   detail::Dense w, bias, v;
-  explicit Weights(const AdditiveAttention& m)
-      : w(detail::dense(m.attn_weight.value, dtype_of_v<T>)),
-        bias(detail::dense(m.attn_bias.value, dtype_of_v<T>)),
-        v(detail::dense(m.v_weight.value, dtype_of_v<T>)) {}
-  const T* we() const { return static_cast<const T*>(w.data); }  // columns [0, H)
-  const T* wh(std::int64_t H) const { return we() + H; }         // columns [H, 2H)
-  const T* b() const { return static_cast<const T*>(bias.data); }
-  const T* vv() const { return static_cast<const T*>(v.data); }
+  Weights(const AdditiveAttention& m, DType dtype)
+      : w(detail::dense(m.attn_weight.value, dtype)),
+        bias(detail::dense(m.attn_bias.value, dtype)),
+        v(detail::dense(m.v_weight.value, dtype)) {}
 };
 
-// Energies, weights and (when context is not null) the context [B, H].
-template <class T>
-Step<T> step_forward(const Weights<T>& p, const Geometry& g, const T* hid, const T* enc,
-                     T* context) {
-  constexpr DType dt = dtype_of_v<T>;
-  const std::int64_t B = g.batch, S = g.source, H = g.hidden;
-  Step<T> st{std::vector<T>(static_cast<std::size_t>(B * S * H)),
-             std::vector<T>(static_cast<std::size_t>(B * S))};
-  // energy = enc W_e^T (one GEMM over all rows); q = hidden W_h^T + bias.
-  detail::gemm(dtype_of_v<T>, false, true, B * S, H, H, 1.0, enc, H, p.we(), 2 * H, 0.0,
-               st.energy.data(), H);
-  std::vector<T> q(static_cast<std::size_t>(B * H));
-  detail::add_row(dt, q.data(), B, H, p.b());
-  detail::gemm(dtype_of_v<T>, false, true, B, H, H, 1.0, hid, H, p.wh(H), 2 * H, 1.0, q.data(), H);
+// One step as a call of the library's attention: the decoder state is the
+// single query, the encoder outputs are keys and values, the score is
+// Score::additive with W_q = columns [H, 2H) of attn.weight and W_k =
+// columns [0, H), and the source lengths are the key lengths (views of
+// the compute dtype into `hid`, `enc` and `p`, which must outlive the call).
+struct Call {
+  ConstTensorView q;  // [B, 1, 1, H], the decoder state
+  ConstTensorView k;  // [B, S, 1, H], the encoder outputs
+  AttentionOptions options;
+};
 
-  const T* v = p.vv();
-#pragma omp parallel for schedule(static) if (g.threaded())
-  for (std::int64_t b = 0; b < B; ++b) {
-    const std::int64_t len = g.lengths[static_cast<std::size_t>(b)];
-    T* w = st.weights.data() + b * S;
-    T top = -std::numeric_limits<T>::infinity();
-    for (std::int64_t s = 0; s < len; ++s) {
-      T* e = st.energy.data() + (b * S + s) * H;
-      const T* qb = q.data() + b * H;
-      T score = 0;
-      for (std::int64_t h = 0; h < H; ++h) {
-        e[h] = std::tanh(e[h] + qb[h]);
-        score += v[h] * e[h];
-      }
-      w[s] = score;
-      top = std::max(top, score);
-    }
-    // Max-subtracted softmax over the valid positions; padded ones stay 0.
-    T sum = 0;
-    for (std::int64_t s = 0; s < len; ++s) {
-      w[s] = std::exp(w[s] - top);
-      sum += w[s];
-    }
-    for (std::int64_t s = 0; s < len; ++s) w[s] /= sum;
-    if (context == nullptr) continue;
-    T* ctx = context + b * H;
-    for (std::int64_t s = 0; s < len; ++s) {
-      const T* es = enc + (b * S + s) * H;
-      for (std::int64_t h = 0; h < H; ++h) ctx[h] += w[s] * es[h];
-    }
-  }
-  return st;
+Call make_call(const Weights& p, const Geometry& g, DType dtype, const detail::Dense& hid,
+               const detail::Dense& enc) {
+  const std::int64_t B = g.batch, S = g.source, H = g.hidden;
+  const auto* w = static_cast<const char*>(p.w.data);
+  const std::int64_t row[] = {2 * H, 1}, size_h[] = {H, H}, size_v[] = {H};
+  Call c;
+  c.q = ConstTensorView(hid.data, dtype, {B, 1, 1, H});
+  c.k = ConstTensorView(enc.data, dtype, {B, S, 1, H});
+  c.options.score = Score::additive;
+  c.options.additive.w_q =
+      ConstTensorView(w + H * static_cast<std::int64_t>(dtype_size(dtype)), dtype, size_h, row);
+  c.options.additive.w_k = ConstTensorView(w, dtype, size_h, row);
+  c.options.additive.v = ConstTensorView(p.v.data, dtype, size_v);
+  c.options.additive.bias = ConstTensorView(p.bias.data, dtype, size_v);
+  c.options.key_lengths = g.lengths;
+  return c;
 }
 
+// to[r * to_ld + c] += from[r * from_ld + c] for r < rows, c < cols:
+// gradients accumulate across backward calls.
 template <class T>
-void step_backward(AdditiveAttention& m, const Geometry& g, const T* hid, const T* enc,
-                   const T* d_context, const T* d_weights, T* d_hid, T* d_enc) {
-  constexpr DType dt = dtype_of_v<T>;
-  const std::int64_t B = g.batch, S = g.source, H = g.hidden;
-  const Weights<T> p(m);
-  const Step<T> st = step_forward(p, g, hid, enc, static_cast<T*>(nullptr));
-  const T* v = p.vv();
-  T* g_w = static_cast<T*>(detail::grad_of(m.attn_weight, dt).view().data());
-  T* g_b = static_cast<T*>(detail::grad_of(m.attn_bias, dt).view().data());
-  T* g_v = static_cast<T*>(detail::grad_of(m.v_weight, dt).view().data());
-
-  // Per row: d weights (the context's and the caller's), the softmax's
-  // d score, then d_pre = d score * v * (1 - e^2) [B * S, H] (0 at padded
-  // positions), d_enc's context path w * d_context, and dq = sum_s d_pre.
-  std::vector<T> d_score(static_cast<std::size_t>(B * S));
-  std::vector<T> d_pre(static_cast<std::size_t>(B * S * H));
-  std::vector<T> dq(static_cast<std::size_t>(B * H));
-#pragma omp parallel for schedule(static) if (g.threaded())
-  for (std::int64_t b = 0; b < B; ++b) {
-    const std::int64_t len = g.lengths[static_cast<std::size_t>(b)];
-    const T* w = st.weights.data() + b * S;
-    const T* dc = d_context + b * H;
-    T* ds = d_score.data() + b * S;
-    T dot = 0;
-    for (std::int64_t s = 0; s < len; ++s) {
-      const T* es = enc + (b * S + s) * H;
-      T dw = d_weights != nullptr ? d_weights[b * S + s] : T(0);
-      for (std::int64_t h = 0; h < H; ++h) dw += dc[h] * es[h];
-      ds[s] = dw;
-      dot += w[s] * dw;
-    }
-    T* dqb = dq.data() + b * H;
-    for (std::int64_t s = 0; s < len; ++s) {
-      ds[s] = w[s] * (ds[s] - dot);
-      const T* e = st.energy.data() + (b * S + s) * H;
-      T* dp = d_pre.data() + (b * S + s) * H;
-      T* de = d_enc + (b * S + s) * H;
-      for (std::int64_t h = 0; h < H; ++h) {
-        dp[h] = ds[s] * v[h] * (T(1) - e[h] * e[h]);
-        dqb[h] += dp[h];
-        de[h] = w[s] * dc[h];
-      }
-    }
+void add_block(const Tensor& from, std::int64_t from_ld, std::int64_t rows, std::int64_t cols,
+               T* to, std::int64_t to_ld) {
+  const T* f = from.data<T>();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) to[r * to_ld + c] += f[r * from_ld + c];
   }
-  // v.weight and attn.bias, rows in order.
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t s = 0; s < g.lengths[static_cast<std::size_t>(b)]; ++s) {
-      const T* e = st.energy.data() + (b * S + s) * H;
-      const T* dp = d_pre.data() + (b * S + s) * H;
-      const T d = d_score[b * S + s];
-      for (std::int64_t h = 0; h < H; ++h) {
-        g_v[h] += d * e[h];
-        g_b[h] += dp[h];
-      }
-    }
-  }
-  // W_e (columns [0, H) of the [H, 2H] gradient) over each row's valid
-  // positions only, so that whatever padded positions hold never enters;
-  // W_h (columns [H, 2H)) from dq and the hidden states.
-  for (std::int64_t b = 0; b < B; ++b) {
-    detail::gemm(dtype_of_v<T>, true, false, H, H, g.lengths[static_cast<std::size_t>(b)], 1.0,
-                 d_pre.data() + b * S * H, H, enc + b * S * H, H, 1.0, g_w, 2 * H);
-  }
-  detail::gemm(dtype_of_v<T>, true, false, H, H, B, 1.0, dq.data(), H, hid, H, 1.0, g_w + H, 2 * H);
-  // d_hidden = dq W_h; d_enc += d_pre W_e (adds 0 at padded positions).
-  detail::gemm(dtype_of_v<T>, false, false, B, H, H, 1.0, dq.data(), H, p.wh(H), 2 * H, 0.0, d_hid,
-               H);
-  detail::gemm(dtype_of_v<T>, false, false, B * S, H, H, 1.0, d_pre.data(), H, p.we(), 2 * H, 1.0,
-               d_enc, H);
 }
 
 }  // namespace
@@ -266,17 +170,14 @@ AdditiveAttentionOutput AdditiveAttention::forward(
   const detail::Dense hid = detail::dense(decoder_hidden, ct);
   const detail::Dense enc = detail::dense(encoder_outputs, ct);
   AdditiveAttentionOutput out{Tensor(ct, {g.batch, hidden_}), Tensor(ct, {g.batch, g.source})};
-  const auto run = [&](auto zero) {
-    using T = decltype(zero);
-    const Step<T> st = step_forward(Weights<T>(*this), g, static_cast<const T*>(hid.data),
-                                    static_cast<const T*>(enc.data), out.context.data<T>());
-    std::copy(st.weights.begin(), st.weights.end(), out.weights.data<T>());
-  };
-  if (ct == DType::f64) {
-    run(0.0);
-  } else {
-    run(0.0f);
-  }
+  const Weights p(*this, ct);
+  const Call c = make_call(p, g, ct, hid, enc);
+  // context [B, H] is out [B, 1, 1, H]; weights [B, S] are probs [B, 1, 1, S].
+  attention_into(c.q, c.k, c.k,
+                 {TensorView(out.context.view().data(), ct, {g.batch, 1, 1, hidden_}),
+                  {},
+                  TensorView(out.weights.view().data(), ct, {g.batch, 1, 1, g.source})},
+                 c.options);
   if (in != ct) {
     out.context = to_dtype(out.context, in);
     out.weights = to_dtype(out.weights, in);
@@ -300,17 +201,54 @@ AdditiveAttentionGradients AdditiveAttention::backward(ConstTensorView decoder_h
   if (g.known) detail::check_grads(named_parameters(), ct, r);
   detail::throw_if(r);
 
+  const std::int64_t B = g.batch, S = g.source, H = hidden_;
   const detail::Dense hid = detail::dense(decoder_hidden, ct);
   const detail::Dense enc = detail::dense(encoder_outputs, ct);
-  const detail::Dense dc = detail::dense(d_context, ct);
-  const detail::Dense dw = d_weights.defined() ? detail::dense(d_weights, ct) : detail::Dense{};
-  AdditiveAttentionGradients out{Tensor(ct, {g.batch, hidden_}),
-                                 Tensor(ct, {g.batch, g.source, hidden_})};
+  const Weights p(*this, ct);
+  const Call c = make_call(p, g, ct, hid, enc);
+  // Values: the encoder outputs, and with d_weights also the identity
+  // [B, S, 1, H + S] = [enc | I_S], whose output columns are the weights
+  // themselves, so that d_weights enters as their dout; d_context and
+  // d_weights form dout [B, 1, 1, Dv].
+  const std::int64_t Dv = d_weights.defined() ? H + S : H;
+  Tensor douts(ct, {B, Dv}), values_storage;
+  copy(d_context, douts.view().slice(1, 0, H));
+  ConstTensorView values = c.k;
+  if (d_weights.defined()) {
+    copy(d_weights, douts.view().slice(1, H, S));
+    values_storage = Tensor(ct, {B, S, Dv});
+    copy(ConstTensorView(enc.data, ct, {B, S, H}), values_storage.view().slice(2, 0, H));
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t s = 0; s < S; ++s) values_storage.set({b, s, H + s}, 1.0);
+    }
+    values = ConstTensorView(values_storage.view().data(), ct, {B, S, 1, Dv});
+  }
+  const ConstTensorView dout(douts.view().data(), ct, {B, 1, 1, Dv});
+  Tensor forward_out(ct, {B, 1, 1, Dv}), lse(ct, {B, 1, 1});
+  attention_into(c.q, c.k, values, {forward_out, lse, {}}, c.options);
+  // dq is d_decoder_hidden [B, H] and dk the key part of d_encoder_outputs;
+  // the value part (the first H columns of dv) is added to it.
+  AdditiveAttentionGradients out{Tensor(ct, {B, H}), Tensor(ct, {B, S, H})};
+  Tensor dv(ct, {B, S, 1, Dv}), d_w_q(ct, {H, H}), d_w_k(ct, {H, H}), d_v(ct, {H});
+  Tensor d_bias(ct, {H});
+  attention_backward_into(c.q, c.k, values, forward_out, dout, lse,
+                          {TensorView(out.d_decoder_hidden.view().data(), ct, {B, 1, 1, H}),
+                           TensorView(out.d_encoder_outputs.view().data(), ct, {B, S, 1, H}),
+                           dv,
+                           {},
+                           d_w_q,
+                           d_w_k,
+                           d_v,
+                           d_bias},
+                          c.options);
   const auto run = [&](auto zero) {
     using T = decltype(zero);
-    step_backward(*this, g, static_cast<const T*>(hid.data), static_cast<const T*>(enc.data),
-                  static_cast<const T*>(dc.data), static_cast<const T*>(dw.data),
-                  out.d_decoder_hidden.data<T>(), out.d_encoder_outputs.data<T>());
+    add_block<T>(dv, Dv, B * S, H, out.d_encoder_outputs.data<T>(), H);
+    T* g_w = detail::grad_of(attn_weight, ct).data<T>();
+    add_block<T>(d_w_k, H, H, H, g_w, 2 * H);
+    add_block<T>(d_w_q, H, H, H, g_w + H, 2 * H);
+    add_block<T>(d_bias, H, 1, H, detail::grad_of(attn_bias, ct).data<T>(), H);
+    add_block<T>(d_v, H, 1, H, detail::grad_of(v_weight, ct).data<T>(), H);
   };
   if (ct == DType::f64) {
     run(0.0);

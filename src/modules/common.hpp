@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/checks.hpp"
+#include "core/gemm.hpp"
 #include "qkv/modules/parameter.hpp"
 #include "qkv/tensor.hpp"
 
@@ -37,15 +38,8 @@ struct Dense {
 };
 Dense dense(ConstTensorView x, DType dtype);
 
-// Row-major C[m, n] = alpha * op(A) op(B) + beta * C on OpenBLAS (sgemm for
-// f32, dgemm for f64); op(A) is [m, k], op(B) is [k, n]; lda, ldb, ldc are
-// row strides in elements. With `bias` ([n], same dtype) and beta = 0, C =
-// alpha * op(A) op(B) + bias on every row (a linear layer), the bias written
-// into each block of C just before its product. Bitwise identical results
-// for any thread count (see common.cpp).
-void gemm(DType dtype, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
-          double alpha, const void* a, std::int64_t lda, const void* b, std::int64_t ldb,
-          double beta, void* c, std::int64_t ldc, const void* bias = nullptr);
+// GEMM on OpenBLAS (core/gemm.hpp): thread-count-independent blocks.
+using qkv::detail::gemm;
 
 // p.grad, allocated and zeroed in `dtype` on first use. Throws qkv::Error if
 // it already holds gradients of another dtype (mixing f32 and f64 backward

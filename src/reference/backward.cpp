@@ -28,6 +28,7 @@
 // (naive_attention_backward).
 #include "reference/backward.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -89,6 +90,11 @@ void add_outer_product(const Real* x, const Real* y, std::int64_t a_size, std::i
   for (std::int64_t a = 0; a < a_size; ++a) {
     for (std::int64_t c = 0; c < n; ++c) dw[a * n + c] += x[a] * y[c];
   }
+}
+
+template <class Real>
+bool all_zero(const Real* x, std::int64_t n) {
+  return std::all_of(x, x + n, [](Real e) { return e == 0; });
 }
 
 // log sum_j exp(scores[j]) over the finite and +inf scores; -inf when every
@@ -220,7 +226,10 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
               }
             }
           }
-          if (additive) {
+          // A row or key that no admitted pair reached has a zero gradient
+          // of its projection and is skipped, so that whatever it holds
+          // (padding, NaN) never enters dW_q or dW_k as 0 * NaN.
+          if (additive && !all_zero(d_query.data(), a_size)) {
             add_transposed_product(o.additive.w_q, d_query.data(), dq.data());
             add_outer_product(d_query.data(), q_row.data(), a_size, p.dq, d_w_q);
           }
@@ -230,6 +239,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
       if (additive) {
         for (std::int64_t j = 0; j < nk; ++j) {
           const Real* d_proj = d_key_proj.data() + j * a_size;
+          if (all_zero(d_proj, a_size)) continue;
           add_transposed_product(o.additive.w_k, d_proj, dk.data() + j * p.dk);
           add_outer_product(d_proj, keys.data() + j * p.dk, a_size, p.dk, d_w_k);
         }

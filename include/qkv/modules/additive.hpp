@@ -29,11 +29,17 @@
 //   weights[b]   = softmax over s < len_b of score[b, s]; exactly 0 for
 //                  s >= len_b (not the -1e10 fill's tiny leakage)
 //   context[b]   = sum_s weights[b, s] enc[b, s]
-// W_h hidden[b] is computed once per batch row and W_e enc by one GEMM over
-// all B * S encoder rows; the [B, S, 2H] concatenation is never built.
-// Threads: OpenMP over batch rows and over fixed blocks of GEMM rows (each
-// block a one-thread OpenBLAS call), so results are bitwise identical for any
-// thread count.
+// The step is one call of qkv::attention with Score::additive: the decoder
+// state is the single query [B, 1, 1, H], the encoder outputs are keys and
+// values [B, S, 1, H], W_q = W_h and W_k = W_e (column blocks of attn.weight,
+// never copied apart), v = v.weight, bias = attn.bias, key_lengths =
+// source_lengths, and the weights are its probabilities. The backward runs
+// that forward again and qkv::attention_backward; with d_weights, the
+// values are [enc | I_S] ([B, S, 1, H + S]), whose outputs are
+// [context | weights], so that d_weights enters as part of dout. The
+// [B, S, 2H] concatenation is never built.
+// Threads: the library's kernels and GEMMs split work by sizes only, so
+// results are bitwise identical for any thread count.
 //
 // Shapes:
 //   decoder_hidden    [B, H]      f32, f64, bf16 or f16, any strides
@@ -42,8 +48,10 @@
 //   context           [B, H]      dtype of the inputs
 //   weights           [B, S]      dtype of the inputs; rows sum to 1, and a row of
 //                                 length 0 is all zeros (its context is 0)
-// Computes in f64 for f64 inputs, else in f32 (GEMMs on OpenBLAS); 16-bit
-// inputs and weights are widened exactly and the outputs rounded once.
+// Computes in f64 for f64 inputs (on the library's reference backend:
+// plain loops in double, far slower than f32), else in f32 (the fused
+// forward and the fast additive backward); 16-bit inputs and weights are
+// widened exactly and the outputs rounded once.
 #pragma once
 
 #include <cstdint>
