@@ -12,6 +12,7 @@
 // the reference (error_bound.hpp) and equals, bitwise, the allocating call on another
 // thread count; the reference backward from the forward's f32 lse stays
 // within rounding of the reference in double.
+#include "cpu/additive_backward.hpp"
 #include "fuzz_common.hpp"
 
 namespace {
@@ -95,12 +96,13 @@ Arg relayout(Input& in, ConstTensorView t) {
   return a;
 }
 
-// Whether the backward ran the fused kernel (automatic runs the reference
-// for f64 and for additive scores).
+// Whether the backward ran a fast kernel (automatic runs the reference for
+// f64, and for additive scores with dropout, softcap or a relative bias:
+// the dispatch of src/api/backward.cpp).
 bool runs_fast(const AttentionCase& c) {
   return c.opt.backend == qkv::Backend::fast ||
          (c.opt.backend == qkv::Backend::automatic && c.dtype != DType::f64 &&
-          c.opt.score != qkv::Score::additive);
+          (c.opt.score != qkv::Score::additive || qkv::cpu::additive_backward_supports(c.opt)));
 }
 
 // Gradients of 16-bit formats overflow legitimately when the inputs are
