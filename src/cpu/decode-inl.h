@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/softmax_merge.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/score_mods-inl.h"
@@ -535,38 +536,24 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
 }
 
-// Merges the splits of each sequence in key order:
-// out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+// Merges the splits of each sequence in key order (core/softmax_merge.hpp).
 inline void DecodeMerge(DecodePlan& plan) {
   const Floats row = AllocFloats(plan.dv);
   for (std::size_t first = 0; first < plan.items.size();
        first += static_cast<std::size_t>(plan.splits)) {
     const std::int64_t b = plan.items[first].b;
     for (std::int64_t r = 0; r < plan.rows; ++r) {
-      float top = kDecodeNegInf;
-      for (std::int64_t s = 0; s < plan.splits; ++s) {
-        top = std::max(top, plan.partial_m[(first + s) * plan.rows + r]);
-      }
-      std::fill_n(row.get(), plan.dv, 0.0f);
-      float sum = 0.0f;
-      if (top != kDecodeNegInf) {
-        for (std::int64_t s = 0; s < plan.splits; ++s) {
-          const std::size_t slot = first + static_cast<std::size_t>(s);
-          const float m = plan.partial_m[slot * plan.rows + r];
-          if (m == kDecodeNegInf) continue;
-          const float w = std::exp(m - top);
-          sum += w * plan.partial_l[slot * plan.rows + r];
-          const float* o = plan.partial_o.data() + (slot * plan.rows + r) * plan.dv_pad;
-          for (std::int64_t c = 0; c < plan.dv; ++c) row[c] += w * o[c];
-        }
-      }
-      const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
-      for (std::int64_t c = 0; c < plan.dv; ++c) row[c] *= inv;
+      const float lse = detail::merge_softmax_parts<float>(
+          plan.splits, plan.dv,
+          [&](std::int64_t s) {
+            const std::size_t slot = (first + static_cast<std::size_t>(s)) * plan.rows + r;
+            return detail::SoftmaxPart<float>{plan.partial_m[slot], plan.partial_l[slot],
+                                              plan.partial_o.data() + slot * plan.dv_pad};
+          },
+          row.get());
       const std::int64_t h = r / plan.n, t = r % plan.n;
       StoreViewRow(row.get(), plan.dv, plan.out, b, t, h);
-      if (plan.lse.defined()) {
-        plan.lse.set({b, h, t}, sum == 0.0f ? kDecodeNegInf : top + std::log(sum));
-      }
+      if (plan.lse.defined()) plan.lse.set({b, h, t}, lse);
     }
   }
 }
