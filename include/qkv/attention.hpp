@@ -40,6 +40,7 @@
 // where p_i, the position of query i on the key axis, is i + (nk_b - nq_b)
 // with Align::bottom_right (FlashAttention >= 2.1, KV-cache decoding) or i
 // with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
+// `options.shard.position` (default 0) is added to p_i in both alignments.
 // Softmax subtracts the row maximum. A row whose keys are all dropped has
 // out = 0, lse = -inf and probs = 0, never NaN. A NaN score yields a NaN row.
 // Keys a row does not admit never affect it, whatever their k and v hold
@@ -53,9 +54,9 @@
 // with probability 1 - p and scaled by 1 / (1 - p), else zeroed, before it
 // multiplies V: out_i = sum_j P_ij Z_ij / (1 - p) v_j. Z is a pure function
 // of (dropout_seed, dropout_offset, b, h, i, j) (see dropout_keep in
-// qkv/backward.hpp), so the backward regenerates it without storing it and no
-// result depends on the thread count. lse and probs are those of softmax
-// before dropout.
+// qkv/backward.hpp; h, i and j shifted by options.shard), so the backward regenerates it without
+// storing it and no result depends on the thread count. lse and probs are those of softmax before
+// dropout.
 #pragma once
 
 #include <cstdint>
@@ -106,6 +107,26 @@ using ScoreMod = std::function<double(double score, std::int64_t b, std::int64_t
                                       std::int64_t j)>;
 using MaskMod = std::function<bool(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j)>;
 
+// Where a call sits inside a larger problem it computes one piece of
+// (context parallelism, qkv/distributed.hpp): a block of query rows against
+// a block of keys, or a subset of the heads. With every field 0 the call is
+// the whole problem. Query positions p_i (causal, window, ALiBi) move by
+// `position`; the dropout generator sees the global row, key and head, so a
+// problem split into pieces drops exactly the weights the whole call drops.
+// Masks, key lengths and the user callables keep the call's own indices;
+// relative_bias and sparse are rejected when position, row or key is set.
+struct ShardOffsets {
+  std::int64_t position = 0;  // added to every query position p_i, in keys of this call
+  std::int64_t row = 0;       // global index of query row 0 (dropout), >= 0
+  std::int64_t key = 0;       // global index of key 0 (dropout), >= 0
+  std::int64_t head = 0;      // global index of query head 0 (dropout), >= 0
+  std::int64_t heads = 0;     // query heads of the whole problem (dropout); 0 = Hq
+  // The keys are a block of each row's keys: the backward takes the weights
+  // from the given lse (the whole row's) on every backend; without it the
+  // reference backward recomputes lse from the call's own keys in double.
+  bool partial_keys = false;
+};
+
 // Options of qkv::attention. Every field has a default that means "off".
 struct AttentionOptions {
   Score score = Score::scaled_dot;             // how f(q, k) is computed
@@ -129,6 +150,7 @@ struct AttentionOptions {
   double dropout_p = 0.0;                // probability of zeroing a weight; 0 = off, < 1
   std::uint64_t dropout_seed = 0;        // key of the dropout generator
   std::uint32_t dropout_offset = 0;      // counter offset: use a new one per call and layer
+  ShardOffsets shard;                    // the call as a piece of a larger one; 0 = whole
   Backend backend = Backend::automatic;  // which implementation runs
   bool return_lse = false;               // allocating overload: also return lse
   bool return_probs = false;  // allocating overload: also return probs (B*Hq*Nq*Nk values)

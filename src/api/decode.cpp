@@ -50,6 +50,11 @@ void check_unsupported(const AttentionOptions& o, Reasons& r) {
     r.push_back("options.dropout_p: expected 0 (decoding has no dropout), got " +
                 detail::num(o.dropout_p));
   }
+  const ShardOffsets& sh = o.shard;
+  if (sh.position != 0 || sh.row != 0 || sh.key != 0 || sh.head != 0 || sh.heads != 0 ||
+      sh.partial_keys) {
+    r.push_back("options.shard: not supported by decode_attention (expected all zero)");
+  }
   if (o.window_right >= 0) {
     r.push_back("options.window_right: expected -1 (decode queries see no keys after them), got " +
                 to_string(o.window_right));

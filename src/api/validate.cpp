@@ -214,6 +214,25 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
 
 void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
   check_alibi(o, p.hq, p.sequences, p.varlen, r);
+  if (o.shard.heads > 0 && o.shard.head >= 0 &&
+      (o.shard.head > o.shard.heads || o.shard.heads - o.shard.head < p.hq)) {
+    r.push_back("options.shard.heads: expected at least head + Hq = " + to_string(o.shard.head) +
+                " + " + to_string(p.hq) + " heads in the whole problem, got " +
+                to_string(o.shard.heads));
+  }
+  // The kernels tabulate the relative bias over the call's own distances,
+  // and sparse patterns also read the call's own row and key indices: a
+  // piece of a larger call would see other distances and indices.
+  const ShardOffsets& sh = o.shard;
+  const bool moved = sh.position != 0 || sh.row != 0 || sh.key != 0;
+  if (moved && o.relative_bias.table.defined()) {
+    r.push_back(
+        "options.relative_bias: not supported with a nonzero options.shard position, row "
+        "or key");
+  }
+  if (moved && o.sparse.defined()) {
+    r.push_back("options.sparse: not supported with a nonzero options.shard position, row or key");
+  }
   const RelativePositionBias& rb = o.relative_bias;
   if (!rb.table.defined()) return;
   if (!check_tensor("options.relative_bias.table", rb.table, 2, r)) return;
@@ -300,6 +319,27 @@ void check_scalar_options(const AttentionOptions& o, Reasons& r) {
         "options.softcap: expected 0 (off) or a value in [2^-126, 2^126] (about 1.2e-38 to "
         "8.5e37, so that the cap and its inverse are normal f32 numbers), got " +
         num(o.softcap));
+  }
+  // Shifted positions stay inside +-2^61, and shifted indices inside the
+  // ranges the position arithmetic and the dropout counters were built for.
+  const ShardOffsets& sh = o.shard;
+  if (sh.position < -kMaxSequence || sh.position > kMaxSequence) {
+    r.push_back("options.shard.position: expected a shift in [-2^60 + 1, 2^60 - 1], got " +
+                to_string(sh.position));
+  }
+  if (sh.row < 0 || sh.row > kMaxSequence) {
+    r.push_back("options.shard.row: expected a row index in [0, 2^60 - 1], got " +
+                to_string(sh.row));
+  }
+  if (sh.key < 0 || sh.key > kMaxSequence) {
+    r.push_back("options.shard.key: expected a key index in [0, 2^60 - 1], got " +
+                to_string(sh.key));
+  }
+  if (sh.head < 0 || sh.heads < 0 || (sh.heads == 0 && sh.head != 0)) {
+    r.push_back(
+        "options.shard.head/heads: expected head >= 0 and heads >= 0 (heads > 0 when head "
+        "> 0), got head " +
+        to_string(sh.head) + " and heads " + to_string(sh.heads));
   }
   if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
     r.push_back("options.dropout_p: expected a probability in [0, 1), got " + num(o.dropout_p));

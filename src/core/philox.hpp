@@ -6,6 +6,8 @@
 #include <array>
 #include <cstdint>
 
+#include "qkv/attention.hpp"
+
 namespace qkv::detail {
 
 using PhiloxCounter = std::array<std::uint32_t, 4>;
@@ -36,6 +38,14 @@ inline std::uint32_t dropout_threshold(double p) {
   const double t = p * 16777216.0;
   const auto floor_t = static_cast<std::uint32_t>(t);
   return static_cast<double>(floor_t) == t ? floor_t : floor_t + 1;
+}
+
+// The dropout stream (b * Hq + h of qkv::dropout_keep) of query head h of
+// sequence s in a call with hq heads, in the coordinates of the whole
+// problem when the call is a shard of one (AttentionOptions::shard).
+inline std::int64_t dropout_stream(const ShardOffsets& shard, std::int64_t hq, std::int64_t s,
+                                   std::int64_t h) {
+  return s * (shard.heads > 0 ? shard.heads : hq) + shard.head + h;
 }
 
 // The four dropout words of keys [4 * (j / 4), 4 * (j / 4) + 4) of row i of

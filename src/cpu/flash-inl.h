@@ -197,7 +197,8 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   g.seq = plan.problem->sequence(u.s, *plan.options);
   g.group = plan.problem->group();
   g.positions = u.positions;
-  g.offset = plan.options->align == Align::bottom_right ? g.seq.nk - g.seq.nq : 0;
+  g.offset = (plan.options->align == Align::bottom_right ? g.seq.nk - g.seq.nq : 0) +
+             plan.options->shard.position;
   return g;
 }
 
@@ -211,13 +212,14 @@ inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometr
   const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.dropout_p));
   const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    const std::int64_t bh = u.s * plan.problem->hq + u.hkv * g.group + gi;
+    const std::int64_t bh =
+        detail::dropout_stream(o.shard, plan.problem->hq, u.s, u.hkv * g.group + gi);
     for (std::int64_t t = 0; t < g.positions; ++t) {
       float* col = s + gi * g.positions + t;
       for (std::int64_t c = 0; c < cols;) {
-        const std::int64_t j = j0 + c;
+        const std::int64_t j = j0 + c + o.shard.key;
         const detail::PhiloxCounter words =
-            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t, j);
+            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t + o.shard.row, j);
         for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
           float& x = col[c * rows_pad];
           x = (words[static_cast<std::size_t>(w)] >> 8) >= threshold ? x * keep_scale : 0.0f;

@@ -183,13 +183,14 @@ inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry
   const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
   std::fill_n(pd, cols * rows_pad, 0.0f);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    const std::int64_t bh = u.s * plan.problem->hq + u.hkv * g.group + gi;
+    const std::int64_t bh =
+        detail::dropout_stream(o.shard, plan.problem->hq, u.s, u.hkv * g.group + gi);
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t r = gi * g.positions + t;
       for (std::int64_t c = 0; c < cols;) {
-        const std::int64_t j = j0 + c;
+        const std::int64_t j = j0 + c + o.shard.key;
         const detail::PhiloxCounter words =
-            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t, j);
+            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t + o.shard.row, j);
         for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
           const bool keep = (words[static_cast<std::size_t>(w)] >> 8) >= threshold;
           const std::int64_t x = c * rows_pad + r;

@@ -261,7 +261,10 @@ void attention_backward(const detail::AttentionProblem& p, ConstTensorView q, Co
                         ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                         ConstTensorView lse, const GradientOutputs& grads,
                         const AttentionOptions& o) {
-  backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64, true);
+  // The exact weights come from the row's own logsumexp in double, not from
+  // the caller's (f32, half an ulp of |lse| off in the exponent), unless the
+  // keys are only a block of the row's (a piece of a larger call).
+  backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64, !o.shard.partial_keys);
 }
 
 void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView q,

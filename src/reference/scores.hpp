@@ -114,7 +114,7 @@ struct HeadContext {
 // Position of query row i on the key axis (the diagonal for causal/window).
 template <class Real>
 std::int64_t query_position(const HeadContext<Real>& c, std::int64_t i) {
-  return c.o.align == Align::bottom_right ? i + (c.seq.nk - c.seq.nq) : i;
+  return (c.o.align == Align::bottom_right ? i + (c.seq.nk - c.seq.nq) : i) + c.o.shard.position;
 }
 
 // Whether row i attends to key j: every mask of the options admits it.
@@ -211,13 +211,16 @@ inline void dropout_row(const detail::AttentionProblem& p, const AttentionOption
                         std::int64_t s, std::int64_t h, std::int64_t i, std::int64_t n,
                         std::vector<unsigned char>& keep) {
   const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
+  const std::int64_t stream = detail::dropout_stream(o.shard, p.hq, s, h);
+  detail::PhiloxCounter words{};
   keep.resize(static_cast<std::size_t>(n));
-  for (std::int64_t j0 = 0; j0 < n; j0 += 4) {
-    const detail::PhiloxCounter words =
-        detail::dropout_words(o.dropout_seed, o.dropout_offset, s * p.hq + h, i, j0);
-    for (std::int64_t j = j0; j < std::min(n, j0 + 4); ++j) {
-      keep[j] = (words[static_cast<std::size_t>(j - j0)] >> 8) >= threshold ? 1 : 0;
+  for (std::int64_t j = 0; j < n; ++j) {
+    const std::int64_t global = j + o.shard.key;  // words come four keys at a time
+    if (j == 0 || global % 4 == 0) {
+      words =
+          detail::dropout_words(o.dropout_seed, o.dropout_offset, stream, i + o.shard.row, global);
     }
+    keep[j] = (words[static_cast<std::size_t>(global % 4)] >> 8) >= threshold ? 1 : 0;
   }
 }
 
