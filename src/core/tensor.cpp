@@ -267,6 +267,22 @@ void copy(ConstTensorView src, TensorView dst) {
   aliasing.input("src", src);
   aliasing.output("copy: dst", dst, r);
   detail::throw_if(r);
+  if (src.dtype() == dst.dtype() && src.rank() > 0 && src.stride(-1) == 1 && dst.stride(-1) == 1) {
+    // Rows of the last dimension are contiguous in both: one memcpy each.
+    if (src.numel() == 0) return;
+    const int rank = src.rank();
+    const std::size_t bytes = dtype_size(src.dtype());
+    const std::size_t row = static_cast<std::size_t>(src.size(-1)) * bytes;
+    Shape outer = src.sizes();
+    outer[rank - 1] = 1;
+    detail::for_each_index(outer, rank, [&](const Shape& idx) {
+      std::memcpy(
+          static_cast<char*>(dst.data()) + detail::offset(idx, dst.strides(), rank) * bytes,
+          static_cast<const char*>(src.data()) + detail::offset(idx, src.strides(), rank) * bytes,
+          row);
+    });
+    return;
+  }
   detail::for_each_index(src.sizes(), src.rank(), [&](const Shape& idx) {
     detail::store(
         dst.data(), dst.dtype(), detail::offset(idx, dst.strides(), dst.rank()),
