@@ -16,6 +16,7 @@ packages=(
   nlohmann-json3-dev  # JSON headers of safetensors files
   libstb-dev          # stb_image_write, stb_image, stb_easy_font: the tool's PNG pictures
   clang libclang-rt-dev  # libFuzzer and the sanitizers' runtimes for tests/fuzz
+  libopenmpi-dev openmpi-bin  # MPI for qkv::dist (context-parallel attention) and mpiexec
 )
 
 missing=()
