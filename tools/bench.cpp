@@ -288,8 +288,9 @@ std::vector<Case> suite_cases(const BenchOptions& options) {
     for (Case& c : decode_cases(options.shrink)) cases.push_back(std::move(c));
     return cases;
   }
-  throw Error("bench: --suite must be forward, backward, decode, all, scaling or modules, got '" +
-              options.suite + "'");
+  throw Error(
+      "bench: --suite must be forward, backward, decode, all, scaling, modules or ring, got '" +
+      options.suite + "'");
 }
 
 // Token rows (B * tokens) per KvCache::append when filling a decode case's
@@ -509,6 +510,13 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
   const std::regex filter = compile_filter(options);
   if (options.suite == "scaling") return run_scaling_bench(out, progress, options);
   if (options.suite == "modules") return run_modules_bench(out, progress, options);
+  if (options.suite == "ring") {
+#ifdef QKV_WITH_MPI
+    return run_ring_bench(out, progress, options);
+#else
+    throw Error("bench: --suite ring needs qkv built with MPI (QKV_WITH_MPI, libopenmpi-dev)");
+#endif
+  }
   const std::vector<Case> cases = select_cases(options, filter);
   if (cases.empty()) {
     progress << "qkv bench: no case matches --filter '" << options.filter << "'\n";

@@ -10,7 +10,8 @@
 namespace qkv::tools {
 
 struct BenchOptions {
-  // "forward", "backward", "decode", "all" (those three in turn), "scaling" or "modules"
+  // "forward", "backward", "decode", "all" (those three in turn), "scaling", "modules" or
+  // "ring" (under mpiexec; builds with MPI)
   std::string suite = "forward";
   std::string filter;          // run the cases whose name std::regex_search matches
   bool json = false;           // one JSON object per line instead of a table
@@ -47,5 +48,15 @@ int run_scaling_bench(std::ostream& out, std::ostream& progress, const BenchOpti
 // one object per case (suite, name, impl, dtype, B, N, E, heads, kv_heads,
 // H, W, threads, seconds, gflops, fraction_of_peak, extra_bytes).
 int run_modules_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
+
+// Suite "ring" (run_bench calls it; only in builds with MPI), under mpiexec:
+// causal attention at N = 16384 and 65536 (H = 8, D = 64, f32) by ring
+// attention in both layouts and by all-to-all attention, against one
+// process with the threads of all ranks, timed in the same run; per rank
+// the compute, waiting and total time, the bytes sent and the transfers
+// that were complete when the compute beside them ended; and a ping-pong
+// bandwidth probe between ranks 0 and 1. --json: one object per case with
+// a per_rank array, after one with the probe.
+int run_ring_bench(std::ostream& out, std::ostream& progress, const BenchOptions& options);
 
 }  // namespace qkv::tools

@@ -71,13 +71,17 @@ int main(int argc, char** argv) {
       "Suite modules times qkv::nn layers at model shapes: a BERT-base\n"
       "self-attention block forward and backward, a grouped-query decoder\n"
       "step against a 4096-token cache, and SE and CBAM on 64 x 56 x 56.\n"
+      "Suite ring (run it under mpiexec; builds with MPI) times ring and\n"
+      "all-to-all attention (causal, N = 16384 and 65536, H = 8, D = 64)\n"
+      "against one process with all ranks' threads, with compute, waiting\n"
+      "and bytes sent per rank, and a link bandwidth probe.\n"
       "Progress goes to stderr; results to stdout. Exits 1 if no case matches,\n"
       "3 if --check fails.");
   qkv::tools::BenchOptions bench_options;
   const CLI::Range positive(1, std::numeric_limits<int>::max());
   bench_options.threads = omp_get_max_threads();
   bench->add_option("--suite", bench_options.suite, "Benchmark suite")
-      ->check(CLI::IsMember({"forward", "backward", "decode", "all", "scaling", "modules"}))
+      ->check(CLI::IsMember({"forward", "backward", "decode", "all", "scaling", "modules", "ring"}))
       ->capture_default_str();
   bench->add_option("--filter", bench_options.filter,
                     "Run only the cases whose name matches this\n"
