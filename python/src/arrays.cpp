@@ -1,6 +1,7 @@
 #include "arrays.hpp"
 
 #include <array>
+#include <utility>
 
 #include "qkv/error.hpp"
 
@@ -80,13 +81,27 @@ nb::dlpack::dtype dlpack_dtype(DType d) {
   throw Error("dtype: no DLPack code for " + std::string(dtype_name(d)));
 }
 
-}  // namespace
-
-Array array_of(TensorView view, nb::handle owner) {
+Array array_of(TensorView view, nb::handle owner, nb::dlpack::dtype dtype) {
   std::array<std::size_t, kMaxRank> shape{};
   for (int d = 0; d < view.rank(); ++d) shape[d] = static_cast<std::size_t>(view.size(d));
   return Array(view.data(), static_cast<std::size_t>(view.rank()), shape.data(), owner,
-               view.strides().data(), dlpack_dtype(view.dtype()));
+               view.strides().data(), dtype);
+}
+
+}  // namespace
+
+Array array_of(TensorView view, nb::handle owner) {
+  return array_of(view, owner, dlpack_dtype(view.dtype()));
+}
+
+Array owning_array(Tensor t, bool bf16_as_bits) {
+  auto* held = new Tensor(std::move(t));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  nb::dlpack::dtype dtype = dlpack_dtype(held->dtype());
+  if (bf16_as_bits && held->dtype() == DType::bf16) {
+    dtype = {static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt), 16, 1};
+  }
+  return array_of(held->view(), owner, dtype);
 }
 
 DType dtype_of(const nb::dlpack::dtype& t, const std::string& name) {

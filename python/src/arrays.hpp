@@ -32,6 +32,11 @@ using Array = nb::ndarray<nb::array_api>;
 // An array over `view`'s memory, kept alive by `owner` (no copy).
 Array array_of(TensorView view, nb::handle owner);
 
+// An array that owns `t` (moved, not copied). With `bf16_as_bits`, bfloat16
+// elements go over as their uint16 bits (NumPy has no bfloat16; the Python
+// layer views them as ml_dtypes.bfloat16).
+Array owning_array(Tensor t, bool bf16_as_bits = false);
+
 // The qkv dtype of an array: float32, float64, float16, bfloat16 (PyTorch's,
 // or ml_dtypes' passed by the Python layer as its uint16 bits) and bool.
 // Throws qkv::Error naming `name` for anything else.

@@ -94,6 +94,11 @@ LinearAttentionOptions linear_options(const std::string& feature_map, bool causa
 // The modules (modules.cpp).
 void bind_modules(nb::module_& m);
 
+#ifdef QKV_WITH_MPI
+// qkv::dist's functions (distributed.cpp), when the build has MPI.
+void bind_distributed(nb::module_& m);
+#endif
+
 }  // namespace qkv::python
 
 NB_MODULE(_qkv, m) {
@@ -363,4 +368,7 @@ NB_MODULE(_qkv, m) {
   m.def("get_num_threads", &omp_get_max_threads, "Threads the next call uses.");
 
   bind_modules(m);
+#ifdef QKV_WITH_MPI
+  bind_distributed(m);
+#endif
 }

@@ -58,13 +58,6 @@ nn::ImageLayout parse_layout(const std::string& s) {
   throw Error("layout: expected 'nchw' or 'nhwc', got '" + s + "'");
 }
 
-// An array that owns `t` (moved, not copied).
-Array owning_array(Tensor t) {
-  auto* held = new Tensor(std::move(t));
-  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
-  return array_of(held->view(), owner);
-}
-
 // (name, value) of every parameter: views of the module's memory, owned by
 // `self` (the Python object of the module).
 template <class Module>
