@@ -8,6 +8,7 @@
 // docs/distributed.md.
 #include <mpi.h>
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -115,6 +116,16 @@ int run_ring_bench(std::ostream& out, std::ostream& progress, const BenchOptions
   MPI_Comm_size(comm, &ranks);
   const std::regex filter(options.filter);
   const double bandwidth = link_bandwidth(comm, rank, ranks, std::int64_t{64} << 20);
+  // mpiexec binds each rank to a core by default; the single-process
+  // baseline then runs all its threads on rank 0's core.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int usable = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  if (rank == 0 && usable > 0 && usable < options.threads * ranks) {
+    progress << "qkv bench: rank 0 may run on " << usable << " CPU(s), fewer than the "
+             << options.threads * ranks
+             << " threads of the single-process baseline: run mpiexec with --bind-to none\n";
+  }
   if (rank == 0) {
     char line[256];
     std::snprintf(line, sizeof line,

@@ -71,7 +71,7 @@ std::vector<Agreed> agreed_values(ConstTensorView q, ConstTensorView k, ConstTen
 }
 
 // Appends a reason for every value on which ranks disagree. Collective.
-void check_agreement(MPI_Comm comm, const std::vector<Agreed>& mine, Reasons& r) {
+void check_agreement(MPI_Comm comm, int rank, const std::vector<Agreed>& mine, Reasons& r) {
   const auto n = static_cast<int>(mine.size());
   std::vector<std::int64_t> low(mine.size()), high(mine.size()), local(mine.size());
   for (std::size_t i = 0; i < mine.size(); ++i) local[i] = mine[i].value;
@@ -80,9 +80,10 @@ void check_agreement(MPI_Comm comm, const std::vector<Agreed>& mine, Reasons& r)
   for (std::size_t i = 0; i < mine.size(); ++i) {
     if (low[i] != high[i]) {
       r.push_back(std::string(mine[i].name) +
-                  ": expected the same value on every rank, but the ranks differ (this rank: " +
-                  std::to_string(local[i]) + ", range over ranks: " + std::to_string(low[i]) +
-                  " to " + std::to_string(high[i]) + ")");
+                  ": expected the same value on every rank, but the ranks differ (rank " +
+                  std::to_string(rank) + ": " + std::to_string(local[i]) +
+                  ", range over ranks: " + std::to_string(low[i]) + " to " +
+                  std::to_string(high[i]) + ")");
     }
   }
 }
@@ -145,6 +146,13 @@ Setup validate_collectively(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
     throw Error(std::string("comm: expected a communicator, got MPI_COMM_NULL (qkv::dist::") +
                 spec.function + ")");
   }
+  int inter = 0;
+  MPI_Comm_test_inter(comm, &inter);
+  if (inter) {
+    throw Error(std::string("comm: expected an intracommunicator, got an intercommunicator "
+                            "(qkv::dist::") +
+                spec.function + ")");
+  }
   Setup s;
   MPI_Comm_rank(comm, &s.rank);
   MPI_Comm_size(comm, &s.ranks);
@@ -171,7 +179,7 @@ Setup validate_collectively(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
   } catch (const Error& e) {
     r.insert(r.end(), e.reasons().begin(), e.reasons().end());
   }
-  check_agreement(comm, agreed_values(q, k, v, o, spec), r);
+  check_agreement(comm, s.rank, agreed_values(q, k, v, o, spec), r);
   if (r.empty()) {
     if (s.nq < 1 || s.nk < 1) {
       r.push_back("q, k: expected at least one row per rank, got " + std::to_string(s.nq) +
