@@ -81,9 +81,8 @@ void check_agreement(MPI_Comm comm, int rank, const std::vector<Agreed>& mine, R
     if (low[i] != high[i]) {
       r.push_back(std::string(mine[i].name) +
                   ": expected the same value on every rank, but the ranks differ (rank " +
-                  std::to_string(rank) + ": " + std::to_string(local[i]) +
-                  ", range over ranks: " + std::to_string(low[i]) + " to " +
-                  std::to_string(high[i]) + ")");
+                  std::to_string(rank) + ": " + std::to_string(local[i]) + ", range over ranks: " +
+                  std::to_string(low[i]) + " to " + std::to_string(high[i]) + ")");
     }
   }
 }
@@ -284,6 +283,12 @@ AttentionOptions piece_options(const AttentionOptions& o, const Setup& s, const 
              .row = qc.global,
              .key = kc.global,
              .partial_keys = true};
+  if (g.count < s.batch) {
+    // One batch entry b0 of B: its dropout stream b0 * Hq + h is stream
+    // `head + h` of a problem of B * Hq heads.
+    p.shard.head = g.b0 * s.hq;
+    p.shard.heads = s.batch * s.hq;
+  }
   if (!o.key_lengths.empty()) {
     lengths.clear();
     for (std::int64_t b = g.b0; b < g.b0 + g.count; ++b) {

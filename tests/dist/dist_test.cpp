@@ -159,11 +159,18 @@ std::vector<Config> Configs(int ranks) {
          o.dropout_offset = 7;
          o.causal = true;
        }},
-      {"key lengths, bottom-right", 8, 8,
+      {"key lengths, bottom-right, dropout", 8, 8,
        [total](AttentionOptions& o) {
-         g_lengths = {total - 3, 0};
+         g_lengths = {total - 3, total / 2};
          o.key_lengths = g_lengths;
          o.causal = true;
+         o.dropout_p = 0.3;
+         o.dropout_seed = 5;
+       }},
+      {"key lengths, one empty", 8, 8,
+       [total](AttentionOptions& o) {
+         g_lengths = {0, total - 1};
+         o.key_lengths = g_lengths;
        }},
       {"key lengths, top-left", 4, 8,
        [total](AttentionOptions& o) {
