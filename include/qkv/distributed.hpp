@@ -26,11 +26,10 @@
 // options.shard (the distributed functions set it).
 //
 // Errors are collective: every check runs on every rank, including that all
-// ranks agree on shapes, dtypes and options (return_lse included), and when any rank's input is bad every
-// rank throws the same qkv::Error, naming the first bad rank, before any
-// message is sent. A call never deadlocks on bad input. All ranks must call
-// the same function in the same order, as with any MPI collective.
-// Threads: the kernels use OpenMP threads as qkv::attention does; MPI is
+// ranks agree on shapes, dtypes and options (return_lse included), and when any rank's input is bad
+// every rank throws the same qkv::Error, naming the first bad rank, before any message is sent. A
+// call never deadlocks on bad input. All ranks must call the same function in the same order, as
+// with any MPI collective. Threads: the kernels use OpenMP threads as qkv::attention does; MPI is
 // called only from the calling thread (MPI_THREAD_FUNNELED suffices).
 #pragma once
 
