@@ -241,9 +241,11 @@ bool may_attend(const AttentionOptions& o, const BatchGroup& g, const Chunk& qc,
   std::int64_t p = qc.global + g.delta;
   const std::int64_t last = p + qc.length - 1;
   if (o.causal) p = std::max(p, k_first);
-  if (o.window_right >= 0) p = std::max(p, k_first - o.window_right);
+  // Windows may be as large as int64 allows: compare distances, which are
+  // bounded by the sequence lengths, instead of shifting by the window.
+  if (o.window_right >= 0 && k_first - p > o.window_right) p = k_first - o.window_right;
   if (p > last) return false;
-  return !(o.window_left >= 0 && p - o.window_left >= k_end);
+  return !(o.window_left >= 0 && p - k_end >= o.window_left);
 }
 
 bool needs(const Setup& s, const AttentionOptions& o, const std::vector<BatchGroup>& groups, int a,

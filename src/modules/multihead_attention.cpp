@@ -242,9 +242,10 @@ bool check_mask(const char* name, ConstTensorView m, const detail::ViewSpec& spe
 
 Call check_call(const MultiHeadAttentionConfig& c, ConstTensorView query, ConstTensorView key,
                 ConstTensorView value, const MultiHeadAttentionOptions& o, Reasons& r) {
-  const bool ok = detail::check_input("query", query, 3, "[B, Nq, E]", r) &
-                  detail::check_input("key", key, 3, "[B, Nk, kdim]", r) &
-                  detail::check_input("value", value, 3, "[B, Nk, vdim]", r);
+  // Every input is checked, so that one error names all bad ones.
+  bool ok = detail::check_input("query", query, 3, "[B, Nq, E]", r);
+  ok = detail::check_input("key", key, 3, "[B, Nk, kdim]", r) && ok;
+  ok = detail::check_input("value", value, 3, "[B, Nk, vdim]", r) && ok;
   Call call;
   if (!ok) return call;
   call.known = true;

@@ -346,8 +346,10 @@ TEST(Schedule, ChunkPairsMatchBruteForce) {
     AttentionOptions o;
     o.causal = pick({0, 1}) == 1;
     o.align = pick({0, 1}) == 1 ? Align::top_left : Align::bottom_right;
-    o.window_left = pick({-1, 0, 1, 3, 7});
-    o.window_right = pick({-1, 0, 1, 3, 7});
+    // Windows up to the int64 limit, which the distances must not overflow.
+    constexpr std::int64_t kHuge = std::numeric_limits<std::int64_t>::max();
+    o.window_left = pick({-1, 0, 1, 3, 7, kHuge - 1, kHuge});
+    o.window_right = pick({-1, 0, 1, 3, 7, kHuge - 1, kHuge});
     std::vector<std::int64_t> lengths;
     if (pick({0, 1}) == 1) {
       for (int b = 0; b < 2; ++b) {
@@ -370,8 +372,8 @@ TEST(Schedule, ChunkPairsMatchBruteForce) {
                   const std::int64_t p = i + delta;
                   for (std::int64_t j = kc.global; j < kc.global + kc.length; ++j) {
                     admitted = admitted || (j < valid && (!o.causal || j <= p) &&
-                                            (o.window_left < 0 || j >= p - o.window_left) &&
-                                            (o.window_right < 0 || j <= p + o.window_right));
+                                            (o.window_left < 0 || p - j <= o.window_left) &&
+                                            (o.window_right < 0 || j - p <= o.window_right));
                   }
                 }
               }
