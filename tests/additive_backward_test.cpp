@@ -94,6 +94,12 @@ void expect_additive_backward_matches(const Inputs& x, const Params& w, Attentio
       dtype, {fwd.out.size(0), fwd.out.size(1), fwd.out.size(2), fwd.out.size(3)}, seed, -1.0, 1.0);
   const qkv::AttentionGradients fast =
       qkv::attention_backward(x.q, x.k, x.v, fwd.out, dout, fwd.lse, fast_opt);
+  // Without out and lse (the module's call): the weights and lse from the
+  // kernel's own projections and D_i = sum_j P_ij dP_ij where key_lengths is
+  // the one mask, else the forward first. The same error model holds: D_i's
+  // two forms differ by roundings below the cancellation floor of dP - D.
+  const qkv::AttentionGradients recomputed =
+      qkv::attention_backward(x.q, x.k, x.v, {}, dout, {}, fast_opt);
 
   AttentionOptions ref_opt = opt;
   ref_opt.backend = qkv::Backend::reference;
@@ -146,26 +152,31 @@ void expect_additive_backward_matches(const Inputs& x, const Params& w, Attentio
                           &fast.d_additive_v}) {
     EXPECT_FALSE(has_non_finite(*g)) << "a gradient has NaN or inf";
   }
-  const auto check = [&](const char* name, const Tensor& f, const Tensor& r, const Tensor& n,
-                         DType out_dtype, double tanh_floor) {
-    const double err_fast = max_abs_diff(f, r);
+  // f from out and lse, g without them; r the reference, n the naive.
+  const auto check = [&](const char* name, const Tensor& f, const Tensor& g, const Tensor& r,
+                         const Tensor& n, DType out_dtype, double tanh_floor) {
     const double err_naive = max_abs_diff(n, r);
     const double floor = unit_roundoff(out_dtype) * max_abs(r) + tanh_floor;
+    const double err_fast = max_abs_diff(f, r);
     EXPECT_LE(err_fast, 2 * err_naive + floor)
         << name << " fast error " << err_fast << ", naive " << err_naive << ", floor " << floor;
+    const double err_recomputed = max_abs_diff(g, r);
+    EXPECT_LE(err_recomputed, 2 * err_naive + floor)
+        << name << " without out and lse: error " << err_recomputed << ", naive " << err_naive
+        << ", floor " << floor;
   };
-  check("dq", fast.dq, ref.dq, naive.dq, dtype, e * a * max_abs(w.w_q));
-  check("dk", fast.dk, ref.dk, naive.dk, dtype, e * mass * a * max_abs(w.w_k));
-  check("dv", fast.dv, ref.dv, naive.dv, dtype, 2 * delta * mass * max_abs(dout));
-  check("d_additive_w_q", fast.d_additive_w_q, ref.d_additive_w_q, naive.d_additive_w_q, DType::f32,
-        e * rows * max_abs(x.q));
-  check("d_additive_w_k", fast.d_additive_w_k, ref.d_additive_w_k, naive.d_additive_w_k, DType::f32,
-        e * rows * max_abs(x.k));
-  check("d_additive_v", fast.d_additive_v, ref.d_additive_v, naive.d_additive_v, DType::f32,
-        rows * (sigma + 2 * big_m * eps));
+  check("dq", fast.dq, recomputed.dq, ref.dq, naive.dq, dtype, e * a * max_abs(w.w_q));
+  check("dk", fast.dk, recomputed.dk, ref.dk, naive.dk, dtype, e * mass * a * max_abs(w.w_k));
+  check("dv", fast.dv, recomputed.dv, ref.dv, naive.dv, dtype, 2 * delta * mass * max_abs(dout));
+  check("d_additive_w_q", fast.d_additive_w_q, recomputed.d_additive_w_q, ref.d_additive_w_q,
+        naive.d_additive_w_q, DType::f32, e * rows * max_abs(x.q));
+  check("d_additive_w_k", fast.d_additive_w_k, recomputed.d_additive_w_k, ref.d_additive_w_k,
+        naive.d_additive_w_k, DType::f32, e * rows * max_abs(x.k));
+  check("d_additive_v", fast.d_additive_v, recomputed.d_additive_v, ref.d_additive_v,
+        naive.d_additive_v, DType::f32, rows * (sigma + 2 * big_m * eps));
   if (w.bias.defined()) {
-    check("d_additive_bias", fast.d_additive_bias, ref.d_additive_bias, naive.d_additive_bias,
-          DType::f32, e * rows);
+    check("d_additive_bias", fast.d_additive_bias, recomputed.d_additive_bias, ref.d_additive_bias,
+          naive.d_additive_bias, DType::f32, e * rows);
   } else {
     EXPECT_FALSE(fast.d_additive_bias.defined());
   }

@@ -72,6 +72,14 @@ const std::vector<Row>& rows() {
        },
        {"lse: expected sizes [2, 4, 5], got [2, 5, 4]"}},
       {"lse missing", [](Call& c) { c.lse = Tensor(); }, {"lse: required tensor is undefined"}},
+      {"out missing", [](Call& c) { c.out = Tensor(); }, {"out: required tensor is undefined"}},
+      {"out and lse missing for a piece of a larger call",
+       [](Call& c) {
+         c.out = Tensor();
+         c.lse = Tensor();
+         c.options.shard.partial_keys = true;
+       },
+       {"out, lse: required with options.shard.partial_keys"}},
       {"score_mod",
        [](Call& c) {
          c.options.score_mod = [](double s, std::int64_t, std::int64_t, std::int64_t,

@@ -22,6 +22,13 @@
 // forward call (same masks, biases, dropout seed and offset); `score_mod`
 // has no derivative here and is rejected.
 //
+// `out` and `lse` may both be left undefined (not one alone), for a caller
+// that kept neither: Score::additive on the fast backend with key_lengths
+// as its one mask then computes the weights and lse from its own
+// projections, with D_i = sum_j P_ij dP_ij (no forward pass); any other
+// call runs the forward first. Not with options.shard.partial_keys, whose
+// lse must be the whole rows'.
+//
 // Backends: the fused backward runs dot-product scores (Score::scaled_dot,
 // Score::dot). Score::additive has a fast backward in f32 (GEMMs and one
 // vectorized tanh loop over the admitted pairs, with the weights from the

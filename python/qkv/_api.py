@@ -296,7 +296,9 @@ def attention_backward(
 ) -> AttentionGradients:
     """Gradients of attention(q, k, v, **options) given its out and lse and
     dout = dLoss/dout, as qkv::attention_backward (qkv/backward.hpp). The
-    options must be the forward's. Returns AttentionGradients(dq, dk, dv,
+    options must be the forward's. out and lse may both be None: the
+    backward then computes them (without a forward pass for score="additive"
+    with key_lengths as the one mask). Returns AttentionGradients(dq, dk, dv,
     d_rel_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
     d_additive_bias); the parameter gradients are None unless used."""
     o = _options(
@@ -331,8 +333,8 @@ def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bi
             d_b = empty(q, additive.bias.shape, "stat")
     _run(
         _qkv.attention_backward_into,
-        native(q, "q"), native(k, "k"), native(v, "v"), native(out, "out"),
-        native(dout, "dout"), native(lse, "lse"), native(dq, "dq"), native(dk, "dk"),
+        native(q, "q"), native(k, "k"), native(v, "v"), optional_native(out, "out"),
+        native(dout, "dout"), optional_native(lse, "lse"), native(dq, "dq"), native(dk, "dk"),
         native(dv, "dv"), optional_native(d_rel, "d_rel_bias"),
         optional_native(d_wq, "d_additive_w_q"), optional_native(d_wk, "d_additive_w_k"),
         optional_native(d_v, "d_additive_v"), optional_native(d_b, "d_additive_bias"), o,
@@ -343,7 +345,7 @@ def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bi
 class KvCache(_qkv.KvCache):
     """A key/value cache for decoding (qkv/kv_cache.hpp).
 
-    KvCache(batch, kv_heads, head_dim, value_dim=0, capacity, dtype="float32",
+    KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity, dtype="float32",
     page_size=0, num_pages=0): contiguous (page_size 0: each sequence owns
     `capacity` slots) or paged (a pool of num_pages pages of page_size
     tokens; 0 pages = enough for every sequence at capacity). Storage dtype

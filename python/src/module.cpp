@@ -33,9 +33,9 @@ void attention_into_py(const In& q, const In& k, const In& v, const Out& out,
   attention_into(qv, kv, vv, outputs, o);
 }
 
-void attention_backward_into_py(const In& q, const In& k, const In& v, const In& out,
-                                const In& dout, const In& lse, const Out& dq, const Out& dk,
-                                const Out& dv, const std::optional<Out>& d_rel_bias,
+void attention_backward_into_py(const In& q, const In& k, const In& v, const std::optional<In>& out,
+                                const In& dout, const std::optional<In>& lse, const Out& dq,
+                                const Out& dk, const Out& dv, const std::optional<Out>& d_rel_bias,
                                 const std::optional<Out>& d_additive_w_q,
                                 const std::optional<Out>& d_additive_w_k,
                                 const std::optional<Out>& d_additive_v,
@@ -190,9 +190,10 @@ NB_MODULE(_qkv, m) {
         "Attention of q [B, Nq, Hq, Dk], k [B, Nk, Hkv, Dk], v [B, Nk, Hkv, Dv] into out "
         "[B, Nq, Hq, Dv] (dtype of q), lse [B, Hq, Nq] and probs [B, Hq, Nq, Nk] (float32; "
         "float64 for float64 inputs) when given.");
-  m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a,
-        "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(), "d_additive_w_q"_a.none(),
-        "d_additive_w_k"_a.none(), "d_additive_v"_a.none(), "d_additive_bias"_a.none(), "options"_a,
+  m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a.none(),
+        "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(),
+        "d_additive_w_q"_a.none(), "d_additive_w_k"_a.none(), "d_additive_v"_a.none(),
+        "d_additive_bias"_a.none(), "options"_a,
         "Gradients of attention into dq, dk, dv (dtype of q) and the parameter gradients "
         "the options use.");
 
@@ -215,7 +216,7 @@ NB_MODULE(_qkv, m) {
             c.num_pages = num_pages;
             new (self) KvCache(c);
           },
-          "batch"_a, "kv_heads"_a, "head_dim"_a, "value_dim"_a = 0, "capacity"_a,
+          "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a,
           "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0)
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })

@@ -3,6 +3,8 @@ every option, every dtype, NumPy and PyTorch, strided views without copies,
 the GIL released during kernels, decoding, RoPE, linear attention, sparse
 patterns."""
 
+import ast
+import pathlib
 import threading
 import time
 import tracemalloc
@@ -203,6 +205,18 @@ def test_backward_matches_autograd(dtype):
         assert np.abs(got - want).max() <= rel * (1 + np.abs(want).max())
 
 
+def test_backward_without_out_and_lse_runs_the_forward():
+    q, k, v = problem()
+    dout = rand(2, 5, 4, 6)
+    r = qkv.attention(q, k, v, causal=True, return_lse=True)
+    given = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True)
+    recomputed = qkv.attention_backward(q, k, v, None, dout, None, causal=True)
+    for a, b in zip(given[:3], recomputed[:3]):
+        np.testing.assert_array_equal(a, b)  # the same forward, the same backward
+    with pytest.raises(ValueError, match="out: required tensor is undefined"):
+        qkv.attention_backward(q, k, v, None, dout, r.lse, causal=True)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_kv_cache_decode_matches_causal_attention(paged):
     b, hkv, d, n = 2, 2, 8, 9
@@ -286,3 +300,15 @@ def test_linear_attention_step_continues_a_causal_prefill():
     empty = qkv.linear_attention_state(2, 2, 8, 6, dtype="float64")
     again = qkv.linear_attention_step(q, k, v, empty)
     assert np.abs(again - full).max() < 1e-12
+
+
+def test_type_stubs_are_valid_python():
+    # The stubs nanobind's stubgen writes from the native signatures ship
+    # beside the module; a type checker reads them as Python source.
+    from qkv import _qkv
+
+    stub = pathlib.Path(_qkv.__file__).with_name("_qkv.pyi")
+    assert stub.is_file(), f"{stub} is missing"
+    tree = ast.parse(stub.read_text(), filename=str(stub))
+    names = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    assert {"KvCache", "Options", "attention_into"} <= names

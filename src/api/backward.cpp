@@ -77,12 +77,29 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
 // backward for dot-product scores, cpu::additive_backward for the additive
 // score without dropout, softcap or relative bias, else the reference. A
 // fast result holding a NaN or an infinity is recomputed by the reference,
-// which defines it (see docs/semantics.md).
+// which defines it (see docs/semantics.md). Without out and lse, an
+// additive call whose one mask is key_lengths computes them inside the fast
+// backward; any other call runs the forward for them first.
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
   const bool additive = o.score == Score::additive;
-  if (detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o)) &&
+  const bool fast =
+      detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o));
+  bool tried_fast = false;
+  Tensor forward_out, forward_lse;
+  if (!out.defined()) {
+    if (fast && additive && cpu::additive_own_weights(o)) {
+      if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, {}, grads)) return;
+      tried_fast = true;
+    }
+    forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+    forward_lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
+    attention_into(q, k, v, {forward_out, forward_lse, {}}, o);
+    out = forward_out;
+    lse = forward_lse;
+  }
+  if (fast && !tried_fast &&
       (additive ? run_fast_additive(p, q, k, v, out, dout, lse, grads, o)
                 : run_fast(p, q, k, v, out, dout, lse, grads, o))) {
     return;

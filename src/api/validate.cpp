@@ -447,9 +447,17 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
   Reasons r;
   const std::int64_t out_sizes[] = {p.batch, p.nq, p.hq, p.dv};
   const std::int64_t lse_sizes[] = {p.batch, p.hq, p.nq};
-  check_view("out", out, {.sizes = out_sizes, .dtype = p.dtype}, r);
+  // out and lse may be left out together (the backward computes them),
+  // except for a piece of a larger problem, whose rows' lse covers keys the
+  // call does not have.
+  const bool recompute = !out.defined() && !lse.defined();
+  if (recompute && o.shard.partial_keys) {
+    r.push_back(
+        "out, lse: required with options.shard.partial_keys (the whole rows' lse), got neither");
+  }
+  if (!recompute) check_view("out", out, {.sizes = out_sizes, .dtype = p.dtype}, r);
   check_view("dout", dout, {.sizes = out_sizes, .dtype = p.dtype}, r);
-  check_view("lse", lse, {.sizes = lse_sizes, .dtype = p.stat_dtype}, r);
+  if (!recompute) check_view("lse", lse, {.sizes = lse_sizes, .dtype = p.stat_dtype}, r);
   if (o.score_mod) {
     r.push_back(
         "options.score_mod: the backward cannot differentiate a score_mod callable (express the "

@@ -45,12 +45,11 @@ void ChainRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::i
   }
 }
 
-// The weights of one query row against `keys` keys (rows c * ld of uk):
-//   p[c] = exp(v . tanh(uq + uk[c]) - lse)
-// with the row's lse from the forward.
-void WeightRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::int64_t ld,
-               std::int64_t keys, const float* HWY_RESTRICT v, std::int64_t a_pad, float lse,
-               float* HWY_RESTRICT p) {
+// The scores of one query row against `keys` keys (rows c * ld of uk):
+//   s[c] = v . tanh(uq + uk[c])
+void ScoreRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::int64_t ld,
+              std::int64_t keys, const float* HWY_RESTRICT v, std::int64_t a_pad,
+              float* HWY_RESTRICT s) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   for (std::int64_t c = 0; c < keys; ++c) {
@@ -60,7 +59,7 @@ void WeightRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::
       const auto t = hn::Tanh(d, hn::Add(hn::LoadU(d, uq + a), hn::LoadU(d, ukc + a)));
       acc = hn::MulAdd(hn::LoadU(d, v + a), t, acc);
     }
-    p[c] = std::exp(hn::GetLane(hn::SumOfLanes(d, acc)) - lse);
+    s[c] = hn::GetLane(hn::SumOfLanes(d, acc));
   }
 }
 
@@ -81,7 +80,7 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::cpu {
 
 HWY_EXPORT(ChainRow);
-HWY_EXPORT(WeightRow);
+HWY_EXPORT(ScoreRow);
 
 namespace {
 
@@ -157,6 +156,22 @@ class Result {
   std::vector<float> scratch_;
 };
 
+// Scores s [keys] into weights in place: p = exp(s - lse) with the given
+// row lse, or, when lse is null, with the row's own lse = m + log(sum_c
+// exp(s_c - m)), m = max_c s_c, as the forward computes it.
+void WeightsFromScores(float* s, std::int64_t keys, const float* lse) {
+  float row_lse = 0.0f;
+  if (lse != nullptr) {
+    row_lse = *lse;
+  } else {
+    const float m = *std::max_element(s, s + keys);
+    float sum = 0.0f;
+    for (std::int64_t c = 0; c < keys; ++c) sum += std::exp(s[c] - m);
+    row_lse = m + std::log(sum);
+  }
+  for (std::int64_t c = 0; c < keys; ++c) s[c] = std::exp(s[c] - row_lse);
+}
+
 }  // namespace
 
 bool additive_backward_supports(const AttentionOptions& o) {
@@ -223,11 +238,15 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
         prob = ps.data() + ((seq.batch * p.hq + h) * p.nq + seq.q_begin) * p.nk + seq.k_begin;
         ld_p = p.nk;
       } else {
-        const float* lse_h = lses.data() + (seq.batch * p.hq + h) * p.nq + seq.q_begin;
+        const float* lse_h = lses.data() == nullptr
+                                 ? nullptr
+                                 : lses.data() + (seq.batch * p.hq + h) * p.nq + seq.q_begin;
         for (std::int64_t i = 0; i < nq; ++i) {
-          HWY_DYNAMIC_DISPATCH(WeightRow)
+          float* row = own.data() + i * nk;
+          HWY_DYNAMIC_DISPATCH(ScoreRow)
           (uq.data() + (q_row + i * p.hq) * a_pad, uk.data() + k_row * a_pad, p.hkv * a_pad, nk,
-           v_a.data(), a_pad, lse_h[i], own.data() + i * nk);
+           v_a.data(), a_pad, row);
+          WeightsFromScores(row, nk, lse_h == nullptr ? nullptr : lse_h + i);
         }
       }
       const float* dout_h = douts.data() + q_row * p.dv;
@@ -238,9 +257,14 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
                    dvs.data() + k_row * p.dv, ld_k);
       for (std::int64_t i = 0; i < nq; ++i) {
         const std::int64_t row = q_row + i * p.hq;
-        float d_i = 0.0f;  // D_i
-        for (std::int64_t c = 0; c < p.dv; ++c) {
-          d_i += douts.data()[row * p.dv + c] * outs.data()[row * p.dv + c];
+        // D_i = <dO_i, O_i>, or without out its equal sum_j P_ij dP_ij.
+        float d_i = 0.0f;
+        if (outs.data() != nullptr) {
+          for (std::int64_t c = 0; c < p.dv; ++c) {
+            d_i += douts.data()[row * p.dv + c] * outs.data()[row * p.dv + c];
+          }
+        } else {
+          for (std::int64_t j = 0; j < nk; ++j) d_i += prob[i * ld_p + j] * dp[i * nk + j];
         }
         bool any = false;
         for (std::int64_t j = 0; j < nk; ++j) {

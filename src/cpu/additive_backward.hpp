@@ -8,6 +8,7 @@
 //   UQ = Q W_q^T + bias  [Nq, A],   UK = K W_k^T  [Nk, A]      (GEMMs)
 //   dP = dO V^T  [Nq, Nk],          dV += P^T dO  [Nk, Dv]      (GEMMs)
 //   dS_ij = P_ij (dP_ij - D_i),     D_i = <dO_i, O_i>           (0 where P_ij = 0)
+//                                   or sum_j P_ij dP_ij without O
 //   t = tanh(UQ_i + UK_j),  du = dS_ij v (1 - t^2)              (Highway, per pair)
 //   dUQ_i += du,  dUK_j += du,  d_v += dS_ij t
 //
@@ -35,9 +36,13 @@ bool additive_own_weights(const AttentionOptions& options);
 // [B, Hq, Nq, Nk] (f32 or f64) are the forward's softmax weights of this
 // call; undefined, they are computed here from the projections and `lse`
 // [B, Hq, Nq] (f32), which only a call whose one mask is key_lengths may
-// do (see additive_own_weights). Runs on OpenMP threads over (sequence, KV head) pairs, each
-// written by one thread, with GEMMs cut into fixed blocks, so the result does not depend on the
-// thread count. Returns whether every gradient is finite.
+// do (see additive_own_weights). Such a call may also leave `lse` and `out`
+// undefined: the rows' lse then come from the same scores, and D_i =
+// sum_j P_ij dP_ij replaces <dO_i, O_i> (equal, as sum_j P_ij = 1), so no
+// forward pass is needed. Runs on OpenMP threads over (sequence, KV head)
+// pairs, each written by one thread, with GEMMs cut into fixed blocks, so
+// the result does not depend on the thread count. Returns whether every
+// gradient is finite.
 bool additive_backward(const detail::AttentionProblem& problem, const AttentionOptions& options,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
                        ConstTensorView dout, ConstTensorView probs, ConstTensorView lse,

@@ -224,14 +224,14 @@ AdditiveAttentionGradients AdditiveAttention::backward(ConstTensorView decoder_h
     values = ConstTensorView(values_storage.view().data(), ct, {B, S, 1, Dv});
   }
   const ConstTensorView dout(douts.view().data(), ct, {B, 1, 1, Dv});
-  Tensor forward_out(ct, {B, 1, 1, Dv}), lse(ct, {B, 1, 1});
-  attention_into(c.q, c.k, values, {forward_out, lse, {}}, c.options);
   // dq is d_decoder_hidden [B, H] and dk the key part of d_encoder_outputs;
   // the value part (the first H columns of dv) is added to it.
   AdditiveAttentionGradients out{Tensor(ct, {B, H}), Tensor(ct, {B, S, H})};
   Tensor dv(ct, {B, S, 1, Dv}), d_w_q(ct, {H, H}), d_w_k(ct, {H, H}), d_v(ct, {H});
   Tensor d_bias(ct, {H});
-  attention_backward_into(c.q, c.k, values, forward_out, dout, lse,
+  // Without the forward's out and lse: the fast additive backward computes
+  // the weights from its own projections (no separate forward pass).
+  attention_backward_into(c.q, c.k, values, {}, dout, {},
                           {TensorView(out.d_decoder_hidden.view().data(), ct, {B, 1, 1, H}),
                            TensorView(out.d_encoder_outputs.view().data(), ct, {B, S, 1, H}),
                            dv,

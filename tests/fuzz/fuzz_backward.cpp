@@ -1,8 +1,9 @@
 // Fuzzes qkv::attention_backward and attention_backward_into: a fuzzed
 // forward (every differentiable option of AttentionOptions, any dtype and
-// layout) gives out and lse, then the backward runs with a fuzzed dout,
-// strided gradient views, and sometimes bad input (missing, extra, aliasing
-// or malformed gradient views, wrong dout or lse).
+// layout) gives out and lse (or neither, for the backward to compute),
+// then the backward runs with a fuzzed dout, strided gradient views, and
+// sometimes bad input (missing, extra, aliasing or malformed gradient views,
+// wrong dout or lse).
 //
 // Checks: only qkv::Error escapes; a rejected call leaves every gradient view
 // bitwise unchanged and a call that must be rejected is; inputs are never
@@ -216,6 +217,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       c.reject("a bad out, dout or lse view");
     }
   }
+  // Or neither out nor lse: the backward computes them (without a forward
+  // for the additive score with key_lengths only, so not bitwise the
+  // given-out call's gradients; only the accuracy check below applies).
+  const bool recompute = !replaced && in.one_in(8);
+  if (recompute) out = lse = Arg{};
   const bool into = in.coin();
   Grads g;
   if (into) g = make_grads(in, c);
@@ -266,6 +272,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (runs_fast(c)) {
     qkv::test::expect_backward_matches(c.q, c.k, c.v, c.opt, c.text, 5,
                                        qkv::test::Rule::worst_case);
+    if (recompute) return 0;
     // The same call, allocating, on another thread count.
     qkv::fuzz::fuzz_threads(in);
     AttentionOptions o = c.opt;
@@ -276,7 +283,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             "fast backward differs from the same call made allocating on another thread "
             "count: " +
                 c.text);
-  } else if (c.dtype != DType::f64 && !replaced) {
+  } else if (c.dtype != DType::f64 && !replaced && !recompute) {
     check_reference_rounding(c, out, lse, dout, r);
   }
   return 0;

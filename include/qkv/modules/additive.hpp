@@ -33,9 +33,11 @@
 // state is the single query [B, 1, 1, H], the encoder outputs are keys and
 // values [B, S, 1, H], W_q = W_h and W_k = W_e (column blocks of attn.weight,
 // never copied apart), v = v.weight, bias = attn.bias, key_lengths =
-// source_lengths, and the weights are its probabilities. The backward runs
-// that forward again and qkv::attention_backward; with d_weights, the
-// values are [enc | I_S] ([B, S, 1, H + S]), whose outputs are
+// source_lengths, and the weights are its probabilities. The backward is
+// qkv::attention_backward without the forward's out and lse: in f32 the
+// fast additive backward computes the weights from its own projections (no
+// forward runs again); f64 runs the forward, then the reference. With
+// d_weights, the values are [enc | I_S] ([B, S, 1, H + S]), whose outputs are
 // [context | weights], so that d_weights enters as part of dout. The
 // [B, S, 2H] concatenation is never built.
 // Threads: the library's kernels and GEMMs split work by sizes only, so
