@@ -305,7 +305,19 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
   const auto scale = static_cast<float>(p.scale);
   float* row = sc.row.get();
   const std::int64_t row_span = p.dq * q.stride(3) * ElementBytes(q.dtype());
-  std::fill_n(sc.q.get(), shape.rows_pad * shape.dk, 0.0f);
+  // f32 rows with unit stride are read in place; others through `row`.
+  const bool in_place = q.dtype() == DType::f32 && q.stride(3) == 1;
+  // Zero what the rows below leave unwritten (the padding rows), no more:
+  // after the last row's panel, and the padding lanes of a partial panel.
+  const std::int64_t rows = g.rows();
+  const std::int64_t written = additive ? rows * p.dq : RoundUp(rows, nr) * p.dq;
+  std::fill(sc.q.get() + written, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
+  if (!additive && rows % nr != 0) {
+    float* last = sc.q.get() + (rows / nr) * p.dq * nr;
+    for (std::int64_t k = 0; k < p.dq; ++k) {
+      std::fill(last + k * nr + rows % nr, last + (k + 1) * nr, 0.0f);
+    }
+  }
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t r = gi * g.positions + t;
@@ -320,9 +332,14 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
         LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), sc.q.get() + r * p.dq);
         continue;
       }
-      LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), row);
+      const float* x = row;
+      if (in_place) {
+        x = reinterpret_cast<const float*>(src);
+      } else {
+        LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), row);
+      }
       float* panel = sc.q.get() + (r / nr) * p.dq * nr + r % nr;
-      for (std::int64_t k = 0; k < p.dq; ++k) panel[k * nr] = row[k] * scale;
+      for (std::int64_t k = 0; k < p.dq; ++k) panel[k * nr] = x[k] * scale;
     }
   }
   if (additive) {

@@ -103,7 +103,10 @@ struct KeySpan {
 // panels that hold the first `rows` queries. With `panel_keys` (one span per
 // panel), panel p computes only keys [begin, end); its other scores are left
 // as they are (the caller masks them). Panels outer: one Q^T panel (Dk x NR
-// floats) stays in L1 while the key strips stream past it.
+// floats) stays in L1 while the key strips stream past it. A last panel
+// whose rows fit its first vector computes that vector only (a unit of 16
+// rows, for one, with NR = 32): the other columns hold padding rows, whose
+// scores no output reads, so they keep whatever they held.
 inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t keys,
                              std::int64_t dk, const float* HWY_RESTRICT q_panels, std::int64_t rows,
                              std::int64_t rows_pad, const KeySpan* panel_keys,
@@ -111,10 +114,16 @@ inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std:
   const std::int64_t nr = PanelWidth();
   for (std::int64_t p = 0; p < rows; p += nr) {
     const KeySpan span = panel_keys != nullptr ? panel_keys[p / nr] : KeySpan{0, keys};
+    const bool one_vector = rows - p <= Lanes();
     for (std::int64_t j0 = span.begin; j0 < span.end; j0 += kScoreStrip) {
       WithStrip<kScoreStrip>(span.end - j0, [&](auto strip) {
-        Micro<strip(), kScoreVecs, false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
-                                          s + j0 * rows_pad + p, rows_pad);
+        if (one_vector) {
+          Micro<strip(), 1, false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
+                                   s + j0 * rows_pad + p, rows_pad);
+        } else {
+          Micro<strip(), kScoreVecs, false>(k + j0 * ldk, ldk, 1, dk, q_panels + p * dk, nr,
+                                            s + j0 * rows_pad + p, rows_pad);
+        }
       });
     }
   }
