@@ -133,6 +133,23 @@ auto collectively(MPI_Fint handle, const char* function, Convert convert, Run ru
   return run(call);
 }
 
+// The arrays and options every call converts; the backward's also take the
+// forward's out, lse and dout.
+void take_inputs(Call& c, const In& q, const In& k, const In& v, const Options& options) {
+  c.q = view_of(q, "q");
+  c.k = view_of(k, "k");
+  c.v = view_of(v, "v");
+  c.options = options.to_cpp();
+}
+
+void take_backward_inputs(Call& c, const In& q, const In& k, const In& v, const In& out,
+                          const In& dout, const In& lse, const Options& options) {
+  take_inputs(c, q, k, v, options);
+  c.out = view_of(out, "out");
+  c.dout = view_of(dout, "dout");
+  c.lse = view_of(lse, "lse");
+}
+
 using Result = std::pair<Array, std::optional<Array>>;
 using Gradients = std::tuple<Array, Array, Array>;
 
@@ -153,10 +170,7 @@ Result ring_attention_py(MPI_Fint comm, const In& q, const In& k, const In& v,
   AttentionResult r = collectively(
       comm, "ring_attention",
       [&](Call& c) {
-        c.q = view_of(q, "q");
-        c.k = view_of(k, "k");
-        c.v = view_of(v, "v");
-        c.options = options.to_cpp();
+        take_inputs(c, q, k, v, options);
         c.options.return_lse = return_lse;
         c.ring.layout = parse_layout(layout);
       },
@@ -171,13 +185,7 @@ Gradients ring_attention_backward_py(MPI_Fint comm, const In& q, const In& k, co
   AttentionGradients g = collectively(
       comm, "ring_attention_backward",
       [&](Call& c) {
-        c.q = view_of(q, "q");
-        c.k = view_of(k, "k");
-        c.v = view_of(v, "v");
-        c.out = view_of(out, "out");
-        c.dout = view_of(dout, "dout");
-        c.lse = view_of(lse, "lse");
-        c.options = options.to_cpp();
+        take_backward_inputs(c, q, k, v, out, dout, lse, options);
         c.ring.layout = parse_layout(layout);
       },
       [](const Call& c) {
@@ -192,10 +200,7 @@ Result ulysses_attention_py(MPI_Fint comm, const In& q, const In& k, const In& v
   AttentionResult r = collectively(
       comm, "ulysses_attention",
       [&](Call& c) {
-        c.q = view_of(q, "q");
-        c.k = view_of(k, "k");
-        c.v = view_of(v, "v");
-        c.options = options.to_cpp();
+        take_inputs(c, q, k, v, options);
         c.options.return_lse = return_lse;
       },
       [](const Call& c) { return dist::ulysses_attention(c.comm, c.q, c.k, c.v, c.options); });
@@ -207,15 +212,7 @@ Gradients ulysses_attention_backward_py(MPI_Fint comm, const In& q, const In& k,
                                         const Options& options, bool bf16_as_bits) {
   AttentionGradients g = collectively(
       comm, "ulysses_attention_backward",
-      [&](Call& c) {
-        c.q = view_of(q, "q");
-        c.k = view_of(k, "k");
-        c.v = view_of(v, "v");
-        c.out = view_of(out, "out");
-        c.dout = view_of(dout, "dout");
-        c.lse = view_of(lse, "lse");
-        c.options = options.to_cpp();
-      },
+      [&](Call& c) { take_backward_inputs(c, q, k, v, out, dout, lse, options); },
       [](const Call& c) {
         return dist::ulysses_attention_backward(c.comm, c.q, c.k, c.v, c.out, c.dout, c.lse,
                                                 c.options);
