@@ -377,4 +377,43 @@ TEST(Flash, EveryHighwayTargetThisCpuRuns) {
   EXPECT_GE(ran.size(), 2u) << "expected the native target and at least one fallback";
 }
 
+// One unit per head (a short sequence, a decoding step): keys and values
+// read in place when they are f32 rows with unit stride and whole value
+// panels, queries transposed into their panels a vector of rows at a time.
+// On every target, rows (Hq / Hkv x Nq) and head dims around the vector
+// widths (4, 8, 16 floats), f32 and bf16 (staged), and K and V as
+// [B, H, N, D] tensors viewed as [B, N, H, D].
+TEST(Flash, SmallProblemsOnEveryTarget) {
+  struct Case {
+    std::int64_t nq, nk, hq, hkv, dk, dv;
+  };
+  const Case cases[] = {{1, 1, 1, 1, 1, 1},     {16, 16, 8, 8, 64, 64}, {17, 33, 2, 1, 17, 32},
+                        {5, 9, 4, 2, 16, 16},   {7, 64, 2, 2, 3, 8},    {16, 256, 1, 1, 64, 128},
+                        {32, 16, 1, 1, 48, 64}, {3, 20, 8, 1, 33, 48}};
+  AttentionOptions causal;
+  causal.causal = true;
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    std::uint32_t seed = 300;
+    for (const Case& c : cases) {
+      const std::string shape = std::string(hwy::TargetName(target)) +
+                                " Nq=" + std::to_string(c.nq) + " Nk=" + std::to_string(c.nk) +
+                                " Hq=" + std::to_string(c.hq) + " Hkv=" + std::to_string(c.hkv) +
+                                " Dk=" + std::to_string(c.dk) + " Dv=" + std::to_string(c.dv);
+      for (const DType dtype : {DType::f32, DType::bf16}) {
+        const Inputs x = make_inputs(1, c.nq, c.nk, c.hq, c.hkv, c.dk, c.dv, dtype, seed += 3);
+        const std::string label = shape + (dtype == DType::f32 ? " f32" : " bf16");
+        expect_matches_reference(x.q, x.k, x.v, {}, label);
+        expect_matches_reference(x.q, x.k, x.v, causal, label + " causal");
+      }
+      const Tensor k = random_tensor(DType::f32, {1, c.hkv, c.nk, c.dk}, seed += 3, -1.5, 1.5);
+      const Tensor v = random_tensor(DType::f32, {1, c.hkv, c.nk, c.dv}, seed += 3);
+      const Inputs x = make_inputs(1, c.nq, c.nk, c.hq, c.hkv, c.dk, c.dv, DType::f32, seed += 3);
+      expect_matches_reference(x.q, k.view().transpose(1, 2), v.view().transpose(1, 2), {},
+                               shape + " K, V transposed");
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 }  // namespace

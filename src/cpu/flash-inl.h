@@ -49,15 +49,19 @@ struct TileShape {
   std::int64_t a_pad = 0;     // additive attention size rounded up to the vector
 };
 
-// Keys [begin, begin + n) of a task's KV head, packed as f32: K rows
-// [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR).
+// Keys [begin, begin + n) of a task's KV head as f32: packed, K rows
+// [n][Dk] and V column panels [dv_pad / NR][n][NR] (panel stride n * NR);
+// or read in place from f32 tensors, K rows k_ld floats apart and V rows
+// v_row floats apart, a panel being the next NR columns (panel stride NR).
 // Keys [begin, packed) hold data: the task packs them as its units reach
 // them (PackThrough). Null pointers: not cached, pack each block on the fly.
 struct PackedKeys {
-  float* k = nullptr;
-  float* v = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
   std::int64_t begin = 0;
   std::int64_t packed = 0;
+  std::int64_t k_ld = 0;   // floats from one K row to the next
+  std::int64_t v_row = 0;  // floats from one V row to the next within a panel
   std::int64_t v_panel_stride = 0;
 };
 
@@ -86,6 +90,8 @@ struct RowPrefetch {
 // One thread's buffers, allocated once per call. Shapes:
 //   q    Q^T panels [rows_pad / NR][Dk][NR] (scaled), or Q rows [rows][Dq]
 //   qa   additive: Q W_q^T [rows_pad][a_pad]
+//   q_rows   Lanes query rows [Lanes][Dq] converted to f32 (allocated on
+//            first use: f32 rows are read in place)
 //   k    K block [keys][Dk], or additive: K W_k^T + b [keys][a_pad]
 //   v    V block as panels [dv_pad / NR][keys][NR], or additive: K rows [keys][Dk]
 //   s    S^T, then P^T [keys][rows_pad]
@@ -95,10 +101,9 @@ struct RowPrefetch {
 //                            can see, when the range mask cuts into it
 struct Scratch {
   explicit Scratch(const TileShape& t)
-      : q(AllocFloats(t.rows_pad * t.dk)),
+      : shape(t),
+        q(AllocFloats(t.rows_pad * t.dk)),
         qa(AllocFloats(t.rows_pad * t.a_pad)),
-        k(AllocFloats(t.keys * std::max(t.dk, t.a_pad))),
-        v(AllocFloats(t.keys * std::max(t.dv_pad, t.dk))),  // also additive K rows
         // One vector of slack: masks read-modify-write whole vectors that
         // may run past the last row of S^T.
         s(AllocFloats(t.keys * t.rows_pad + 64)),
@@ -110,7 +115,16 @@ struct Scratch {
         row_keys(static_cast<std::size_t>(t.rows_pad)),
         panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {}
 
-  hwy::AlignedFreeUniquePtr<float[]> q, qa, k, v, s, o, row, m, l, alpha;
+  // k and v, allocated on first use (NeedBlockBuffers): a task whose keys
+  // are cached or read in place never touches them.
+  void NeedBlockBuffers() {
+    if (k) return;
+    k = AllocFloats(shape.keys * std::max(shape.dk, shape.a_pad));
+    v = AllocFloats(shape.keys * std::max(shape.dv_pad, shape.dk));  // also additive K rows
+  }
+
+  TileShape shape;
+  hwy::AlignedFreeUniquePtr<float[]> q, qa, s, q_rows, o, row, m, l, alpha, k, v;
   std::vector<KeySpan> row_keys, panel_keys;
   // A task's keys and values packed once for all its units (see PackedKeys).
   hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
@@ -119,9 +133,11 @@ struct Scratch {
 };
 
 // V rows of a key block for AccumulateValues: column panels of NR floats,
-// `panel_stride` floats apart, starting at the block's first key.
+// `panel_stride` floats apart, starting at the block's first key, whose
+// rows are `row_stride` floats apart.
 struct ValuePanels {
   const float* v;
+  std::int64_t row_stride;
   std::int64_t panel_stride;
 };
 
@@ -235,7 +251,7 @@ inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeom
                             const PackedKeys& cache, std::int64_t j0, std::int64_t cols,
                             Scratch& sc) {
   const std::int64_t dk = plan.problem->dk;
-  if (cache.k != nullptr) return cache.k + (j0 - cache.begin) * dk;
+  if (cache.k != nullptr) return cache.k + (j0 - cache.begin) * cache.k_ld;
   float* dst = plan.options->score == Score::additive ? sc.v.get() : sc.k.get();
   PackRows(plan.k, g.seq, j0, cols, u.hkv, dk, dst);
   return dst;
@@ -246,11 +262,11 @@ inline ValuePanels ValueRows(const FlashPlan& plan, const Unit& u, const UnitGeo
                              const TileShape& shape, const PackedKeys& cache, std::int64_t j0,
                              std::int64_t cols, Scratch& sc) {
   if (cache.v != nullptr) {
-    return {cache.v + (j0 - cache.begin) * ValueWidth(), cache.v_panel_stride};
+    return {cache.v + (j0 - cache.begin) * cache.v_row, cache.v_row, cache.v_panel_stride};
   }
   const std::int64_t stride = shape.keys * ValueWidth();
   PackRows(plan.v, g.seq, j0, cols, u.hkv, shape.dv_pad, sc.v.get(), stride, sc.row.get());
-  return {sc.v.get(), stride};
+  return {sc.v.get(), ValueWidth(), stride};
 }
 
 // The raw S^T of key block [j0, j0 + cols) into sc.s; with `panel_keys`,
@@ -268,7 +284,8 @@ inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry
                              shape.a_pad, sc.s.get(), shape.rows_pad);
     return;
   }
-  ScoresTransposed(k_rows, p.dk, cols, p.dk, sc.q.get(), g.rows(), shape.rows_pad, panel_keys,
+  const std::int64_t ldk = cache.k != nullptr ? cache.k_ld : p.dk;
+  ScoresTransposed(k_rows, ldk, cols, p.dk, sc.q.get(), g.rows(), shape.rows_pad, panel_keys,
                    sc.s.get());
 }
 
@@ -294,57 +311,90 @@ inline BlockClass MaskClass(const FlashPlan& plan, const Unit& u, std::int64_t j
   return plan.block_class[static_cast<std::size_t>(u.first_block + jb)];
 }
 
+// The address of query row r of the unit (head gi = r / positions, position
+// t = r % positions) in q; null for a view without memory.
+inline const std::uint8_t* QueryRow(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                                    std::int64_t r) {
+  return At(plan.q, g.seq.batch, g.seq.q_begin + u.i0 + r % g.positions,
+            u.hkv * g.group + r / g.positions);
+}
+
 // Packs the unit's queries: Q^T panels scaled by the score scale, or for the
-// additive score Q rows and their projections Q W_q^T.
+// additive score Q rows and their projections Q W_q^T. The panels are
+// written a vector of rows at a time (Lanes rows by Lanes columns,
+// transposed in registers), zeros in the rows past the unit's last; padding
+// panels are zero, and the second vector of a last panel whose rows fit its
+// first is left as it is (ScoresTransposed does not compute it).
 inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                            const TileShape& shape, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
   const ConstTensorView q = plan.q;
-  const std::int64_t nr = PanelWidth();
-  const bool additive = plan.options->score == Score::additive;
-  const auto scale = static_cast<float>(p.scale);
-  float* row = sc.row.get();
-  const std::int64_t row_span = p.dq * q.stride(3) * ElementBytes(q.dtype());
-  // f32 rows with unit stride are read in place; others through `row`.
-  const bool in_place = q.dtype() == DType::f32 && q.stride(3) == 1;
-  // Zero what the rows below leave unwritten (the padding rows), no more:
-  // after the last row's panel, and the padding lanes of a partial panel.
   const std::int64_t rows = g.rows();
-  const std::int64_t written = additive ? rows * p.dq : RoundUp(rows, nr) * p.dq;
-  std::fill(sc.q.get() + written, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
-  if (!additive && rows % nr != 0) {
-    float* last = sc.q.get() + (rows / nr) * p.dq * nr;
-    for (std::int64_t k = 0; k < p.dq; ++k) {
-      std::fill(last + k * nr + rows % nr, last + (k + 1) * nr, 0.0f);
+  const std::int64_t row_bytes = q.stride(1) * ElementBytes(q.dtype());
+  const std::int64_t row_span = p.dq * q.stride(3) * ElementBytes(q.dtype());
+  // Consecutive positions are H * D elements apart: fetch rows ahead, as
+  // PackRows does for keys (not from a view without memory).
+  auto prefetch_ahead = [&](std::int64_t r, const std::uint8_t* src) {
+    if (src == nullptr || r % g.positions + kRowsAhead >= g.positions) return;
+    const std::uint8_t* ahead = src + kRowsAhead * row_bytes;
+    for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
+  };
+  if (plan.options->score == Score::additive) {
+    std::fill(sc.q.get() + rows * p.dq, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::uint8_t* src = QueryRow(plan, u, g, r);
+      prefetch_ahead(r, src);
+      LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), sc.q.get() + r * p.dq);
     }
-  }
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      const std::int64_t r = gi * g.positions + t;
-      const std::uint8_t* src = At(q, g.seq.batch, g.seq.q_begin + u.i0 + t, u.hkv * g.group + gi);
-      // Consecutive positions are H * D elements apart: fetch rows ahead, as
-      // PackRows does for keys (not from a view without memory).
-      if (src != nullptr && t + kRowsAhead < g.positions) {
-        const std::uint8_t* ahead = src + kRowsAhead * q.stride(1) * ElementBytes(q.dtype());
-        for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
-      }
-      if (additive) {
-        LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), sc.q.get() + r * p.dq);
-        continue;
-      }
-      const float* x = row;
-      if (in_place) {
-        x = reinterpret_cast<const float*>(src);
-      } else {
-        LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), row);
-      }
-      float* panel = sc.q.get() + (r / nr) * p.dq * nr + r % nr;
-      for (std::int64_t k = 0; k < p.dq; ++k) panel[k * nr] = x[k] * scale;
-    }
-  }
-  if (additive) {
-    Project(sc.q.get(), g.rows(), p.dq, plan.additive_w_q, {}, p.attention_size, shape.a_pad,
+    Project(sc.q.get(), rows, p.dq, plan.additive_w_q, {}, p.attention_size, shape.a_pad,
             sc.qa.get());
+    return;
+  }
+
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(decltype(d)()));
+  const std::int64_t nr = PanelWidth();
+  const auto scale = hn::Set(d, static_cast<float>(p.scale));
+  std::fill(sc.q.get() + RoundUp(rows, nr) * p.dq, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
+  // f32 rows with unit stride are read in place; others are converted into
+  // sc.q_rows first ([Lanes][Dq]).
+  const bool in_place = q.dtype() == DType::f32 && q.stride(3) == 1;
+  const std::int64_t dq_vectors = p.dq / kLanes * kLanes;
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const float* x[kLanes];  // the vector's rows; null past the last
+    for (std::int64_t i = 0; i < kLanes; ++i) {
+      const std::int64_t r = r0 + i;
+      x[i] = nullptr;
+      if (r >= rows) continue;
+      const std::uint8_t* src = QueryRow(plan, u, g, r);
+      prefetch_ahead(r, src);
+      if (in_place) {
+        x[i] = reinterpret_cast<const float*>(src);
+      } else {
+        if (!sc.q_rows) sc.q_rows = AllocFloats(kLanes * shape.dk);
+        float* staged = sc.q_rows.get() + i * p.dq;
+        LoadStridedRowF32(src, q.dtype(), p.dq, q.stride(3), staged);
+        x[i] = staged;
+      }
+    }
+    float* panel = sc.q.get() + (r0 / nr) * p.dq * nr + r0 % nr;
+    for (std::int64_t k0 = 0; k0 < dq_vectors; k0 += kLanes) {
+      V block[kLanes];
+      [&]<std::size_t... kRow>(std::index_sequence<kRow...>) {
+        ((block[kRow] =
+              x[kRow] != nullptr ? hn::Mul(hn::LoadU(d, x[kRow] + k0), scale) : hn::Zero(d)),
+         ...);
+        TransposeSquare(d, block);
+        (hn::Store(block[kRow], d, panel + (k0 + static_cast<std::int64_t>(kRow)) * nr), ...);
+      }
+      (std::make_index_sequence<static_cast<std::size_t>(kLanes)>());
+    }
+    for (std::int64_t k = dq_vectors; k < p.dq; ++k) {
+      for (std::int64_t i = 0; i < kLanes; ++i) {
+        panel[k * nr + i] = x[i] != nullptr ? x[i][k] * static_cast<float>(p.scale) : 0.0f;
+      }
+    }
   }
 }
 
@@ -463,10 +513,11 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   float* o = sc.o.get();
   std::fill_n(m, rows_pad, kNegInf);
   std::fill_n(l, rows_pad, 0.0f);
-  std::fill_n(o, rows_pad * shape.dv_pad, 0.0f);
+  std::fill_n(o, rows * shape.dv_pad, 0.0f);  // no product reads or writes padding rows
 
-  // The Q^T panels that hold the unit's rows; padding panels are not computed.
-  const std::int64_t rows_used = RoundUp(rows, PanelWidth());
+  // The vectors of S^T columns that hold the unit's rows; the softmax skips
+  // the padding beyond them.
+  const std::int64_t rows_used = RoundUp(rows, lanes);
   ForEachOpenBlock(
       plan, u, g, shape, cache, sc,
       [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
@@ -484,8 +535,8 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
         RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
         if (plan.options->dropout_p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
         const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
-        AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.panel_stride, shape.dv_pad, o,
-                         shape.dv_pad);
+        AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.row_stride, v.panel_stride,
+                         shape.dv_pad, o, shape.dv_pad);
       });
 
   // O / l into out (rounded once), m + log l into lse.
@@ -607,10 +658,30 @@ inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
   return true;
 }
 
-// The buffers for the keys and values a task needs, when they fit the
-// per-thread budget: consecutive keys of a [B, N, H, D] tensor lie H * D
-// elements apart, so packing them block by block for every unit would
-// re-read every key from a different page each time. Nothing is packed yet.
+// Whether a task reads its keys [begin, begin + n) in place: f32 rows with
+// unit stride (and whole value panels), one block of keys, used by a single
+// unit of at most one Q^T panel of rows. Each key is then read a few times
+// only, so packing would cost more than the strided reads it saves (a short
+// sequence, a decoding step); larger tasks reuse their keys across units,
+// row strips and panels, where packed rows stay in L1.
+inline bool KeysInPlace(const FlashPlan& plan, const Task& task, std::int64_t n) {
+  const ConstTensorView k = plan.k, v = plan.v;
+  const detail::AttentionProblem& p = *plan.problem;
+  if (task.unit_end - task.unit_begin != 1 || n > plan.config.keys ||
+      plan.options->score == Score::additive) {
+    return false;
+  }
+  const Unit& u = plan.units[static_cast<std::size_t>(task.unit_begin)];
+  return p.group() * u.positions <= PanelWidth() && k.dtype() == DType::f32 &&
+         v.dtype() == DType::f32 && k.stride(3) == 1 && v.stride(3) == 1 && k.data() != nullptr &&
+         v.data() != nullptr && p.dk > 0 && p.dv % ValueWidth() == 0 && p.dv > 0;
+}
+
+// The keys and values a task needs: read in place (KeysInPlace), or
+// buffers for them when they fit the per-thread budget: consecutive keys of
+// a [B, N, H, D] tensor lie H * D elements apart, so packing them block by
+// block for every unit would re-read every key from a different page each
+// time. Nothing is packed yet.
 inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileShape& shape,
                             Scratch& sc) {
   const Unit& first_unit = plan.units[static_cast<std::size_t>(task.unit_begin)];
@@ -621,6 +692,16 @@ inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileS
   const std::int64_t begin = std::min(first.begin * plan.config.keys, g.seq.nk_rows);
   const std::int64_t end = std::min(last.end * plan.config.keys, g.seq.nk_rows);
   const std::int64_t n = end - begin;
+  if (n > 0 && KeysInPlace(plan, task, n)) {
+    const std::int64_t hkv = first_unit.hkv;
+    return {reinterpret_cast<const float*>(At(plan.k, g.seq.batch, g.seq.k_begin + begin, hkv)),
+            reinterpret_cast<const float*>(At(plan.v, g.seq.batch, g.seq.k_begin + begin, hkv)),
+            begin,
+            end,
+            plan.k.stride(1),
+            plan.v.stride(1),
+            ValueWidth()};
+  }
   const std::int64_t floats = n * std::max(plan.problem->dk, shape.dv_pad);
   if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kPackedKeysBytes) return {};
   if (floats > sc.cache_capacity) {
@@ -628,7 +709,8 @@ inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileS
     sc.v_cache = AllocFloats(floats);
     sc.cache_capacity = floats;
   }
-  return {sc.k_cache.get(), sc.v_cache.get(), begin, begin, n * ValueWidth()};
+  return {sc.k_cache.get(), sc.v_cache.get(), begin,           begin,
+          plan.problem->dk, ValueWidth(),     n * ValueWidth()};
 }
 
 // The end of the keys unit u reads: its last row's highest key.
@@ -650,9 +732,9 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
     const std::int64_t n = end - cache.packed;
     const std::int64_t at = cache.packed - cache.begin;
     PackRows(plan.k, g.seq, cache.packed, n, u.hkv, plan.problem->dk,
-             cache.k + at * plan.problem->dk);
-    PackRows(plan.v, g.seq, cache.packed, n, u.hkv, shape.dv_pad, cache.v + at * ValueWidth(),
-             cache.v_panel_stride, sc.row.get());
+             sc.k_cache.get() + at * plan.problem->dk);
+    PackRows(plan.v, g.seq, cache.packed, n, u.hkv, shape.dv_pad,
+             sc.v_cache.get() + at * ValueWidth(), cache.v_panel_stride, sc.row.get());
     cache.packed = end;
   }
   RowPrefetch& a = sc.ahead;
@@ -698,6 +780,9 @@ bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
     for (std::int64_t i = 0; i < n; ++i) {
       const Task& task = plan.tasks[static_cast<std::size_t>(i)];
       PackedKeys cache = CacheTask(plan, task, shape, scratch);
+      if (cache.k == nullptr || plan.options->score == Score::additive) {
+        scratch.NeedBlockBuffers();
+      }
       scratch.ahead.rows = 0;
       std::int64_t end = KeysEnd(plan, plan.units[static_cast<std::size_t>(task.unit_begin)]);
       for (std::int64_t u = task.unit_begin; u < task.unit_end; ++u) {

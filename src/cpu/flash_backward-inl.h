@@ -265,7 +265,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   float* dq = b.dq.get();
   std::fill_n(dq, rows_pad * dk_pad, 0.0f);
   AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
-                   shape.keys * ValueWidth(), dk_pad, dq, dk_pad);
+                   ValueWidth(), shape.keys * ValueWidth(), dk_pad, dq, dk_pad);
   // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout;
   // the columns up to Dq rounded to the vector, which both rows have.
   float* partial = bp.dq_partial + task.chunk * p.batch * p.nq * p.hq * bp.dq_ld;

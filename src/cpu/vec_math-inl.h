@@ -215,6 +215,43 @@ inline void StoreRowFromF32(const float* HWY_RESTRICT src, std::int64_t n, void*
   for (; c < n; ++c) d16[c] = dtype == DType::bf16 ? to_bf16(src[c]).bits : to_f16(src[c]).bits;
 }
 
+// Transposes the n x n matrix whose rows are v[0], ..., v[n - 1] (n =
+// Lanes(d), a power of two), in place: afterwards lane j of v[i] holds what
+// lane i of v[j] held. One butterfly stage per bit b of the lane index: rows
+// i and i + b (bit b of i clear) exchange the lanes whose index has bit b
+// set in one and clear in the other, by a lane permutation and a blend each.
+// The stages and pairs are unrolled at compile time, so that v stays in
+// registers.
+template <std::int32_t kBit, class D, class V>
+HWY_INLINE void TransposeStage(D d, V* HWY_RESTRICT v) {
+  constexpr auto kN = static_cast<std::int32_t>(hn::MaxLanes(D()));
+  if constexpr (kBit < kN) {
+    const hn::RebindToSigned<D> di;
+    const auto iota = hn::Iota(di, 0);
+    const auto bit = hn::Set(di, kBit);
+    const auto high = hn::RebindMask(d, hn::Ne(hn::And(iota, bit), hn::Zero(di)));
+    const auto down = hn::IndicesFromVec(d, hn::AndNot(bit, iota));  // j - b where bit b is set
+    const auto up = hn::IndicesFromVec(d, hn::Or(iota, bit));        // j + b where it is clear
+    [&]<std::size_t... kPair>(std::index_sequence<kPair...>) {
+      (
+          [&] {
+            constexpr std::int32_t i = static_cast<std::int32_t>(kPair) / kBit * 2 * kBit +
+                                       static_cast<std::int32_t>(kPair) % kBit;
+            const V lo = v[i], hi = v[i + kBit];
+            v[i] = hn::IfThenElse(high, hn::TableLookupLanes(hi, down), lo);
+            v[i + kBit] = hn::IfThenElse(high, hi, hn::TableLookupLanes(lo, up));
+          }(),
+          ...);
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(kN / 2)>());
+    TransposeStage<2 * kBit>(d, v);
+  }
+}
+template <class D, class V>
+HWY_INLINE void TransposeSquare(D d, V* HWY_RESTRICT v) {
+  TransposeStage<1>(d, v);
+}
+
 using Floats = hwy::AlignedFreeUniquePtr<float[]>;
 
 // n (at least 1) zeroed floats, aligned for any vector: padding must never
