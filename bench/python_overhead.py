@@ -11,10 +11,15 @@ the same values:
   torch_sdpa_grad      the same with inputs that require grad (autograd records
                        the graph; no backward runs)
   torch_sdpa_compiled  torch.compile(fullgraph=True) of a function calling it
-  qkv_native           the native function under qkv.attention, given DLPack
-                       capsules of the tensors as qkv.attention hands them over
-                       (torch.utils.dlpack.to_dlpack), with its options built
-                       once and the output allocated once: the C++ call and
+  qkv_native           the native function under qkv.attention on plain tensors,
+                       _qkv.attention_exchange(q, k, v, options) with the
+                       options built once: it reads the tensors and allocates
+                       the output through DLPack's C exchange API, then runs
+                       the C++ call
+  qkv_capsules         the native function qkv.attention uses otherwise
+                       (NumPy arrays, return_lse, a given out), given DLPack
+                       capsules of the tensors (torch.utils.dlpack.to_dlpack)
+                       and an output allocated once: the C++ call and
                        nanobind's argument conversion
   qkv_attention        qkv.attention(q, k, v) on [B, N, H, D] tensors: the
                        plain function path (no torch.library op, no autograd)
@@ -128,13 +133,15 @@ def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
     capsule = torch.utils.dlpack.to_dlpack  # one per tensor per call: nanobind consumes it
     _qkv.attention_into(capsule(q), capsule(k), capsule(v), capsule(out), None, None, options)
     assert torch.allclose(out.transpose(1, 2), want, atol=1e-5)
+    assert torch.equal(_qkv.attention_exchange(q, k, v, options), out)
 
     impls = {
         "empty": lambda: None,
         "torch_sdpa": lambda: sdpa(qt, kt, vt),
         "torch_sdpa_grad": lambda: sdpa(qg, kg, vg),
         "torch_sdpa_compiled": lambda: torch_compiled(qt, kt, vt),
-        "qkv_native": lambda: _qkv.attention_into(
+        "qkv_native": lambda: _qkv.attention_exchange(q, k, v, options),
+        "qkv_capsules": lambda: _qkv.attention_into(
             capsule(q), capsule(k), capsule(v), capsule(out), None, None, options),
         "qkv_attention": lambda: qkv.attention(q, k, v),
         "qkv_attention_lse": lambda: qkv.attention(q, k, v, return_lse=True),

@@ -42,18 +42,17 @@ def _wanted_threads() -> Optional[int]:
     return None if torch is None else torch.get_num_threads()
 
 
-def _run(fn, *args) -> None:
-    """Calls a native function on get_num_threads() threads. PyTorch and qkv
-    may share one OpenMP runtime: the count is set for the call and put
-    back, so neither changes the other's."""
+def _run(fn, *args) -> Any:
+    """Calls a native function on get_num_threads() threads and returns its
+    result. PyTorch and qkv may share one OpenMP runtime: the count is set
+    for the call and put back, so neither changes the other's."""
     n = _wanted_threads()
     before = _qkv.get_num_threads()
     if n is None or n == before:
-        fn(*args)
-        return
+        return fn(*args)
     _qkv.set_num_threads(n)
     try:
-        fn(*args)
+        return fn(*args)
     finally:
         _qkv.set_num_threads(before)
 
@@ -247,6 +246,12 @@ def attention(
 def attention_with(q, k, v, o: _qkv.Options, *, return_lse=False, return_probs=False, out=None):
     """attention() with prepared options (the drop-in modules' fast path);
     `out`, when given, receives the result."""
+    if out is None and not (return_lse or return_probs) and _arrays.exchangeable(q, k, v):
+        # PyTorch tensors in and out through DLPack's C exchange API: no
+        # capsules, the output allocated from C. None: not applicable here.
+        result = _run(_qkv.attention_exchange, q, k, v, o)
+        if result is not None:
+            return result
     qn, kn, vn = native(q, "q"), native(k, "k"), native(v, "v")
     try:  # one read of each shape; the messages only when one is not 4-D
         (b, nq, hq, _), (_, nk, _, _), (_, _, _, dv) = q.shape, k.shape, v.shape

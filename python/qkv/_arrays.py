@@ -61,6 +61,24 @@ def _torch_capsule(x: Any, name: str) -> Any:
         raise
 
 
+def exchangeable(q: Any, k: Any, v: Any) -> bool:
+    """Whether q, k and v can go through DLPack's C exchange API (the native
+    attention_exchange): plain torch.Tensor objects (no subclass, which may
+    override how it is read), none a lazily negated view (DLPack hands over
+    the memory without the negation)."""
+    global _tensor_type
+    if _tensor_type is None:
+        torch = torch_module()
+        if torch is None:
+            return False
+        _tensor_type = torch.Tensor
+    t = _tensor_type
+    return (
+        type(q) is t and type(k) is t and type(v) is t
+        and not (q.is_neg() or k.is_neg() or v.is_neg())
+    )
+
+
 def native(x: Any, name: str) -> Any:
     """x as the native module takes it: a NumPy array, or a DLPack capsule of
     a CPU tensor (the same memory). Raises TypeError for anything else."""

@@ -2,7 +2,8 @@
 // into arrays the caller allocated (the `_into` entry points of the C++ API),
 // so nothing is copied in either direction; the Python layer (python/qkv)
 // allocates outputs of the caller's array type and maps foreign
-// conventions. The GIL is released while a kernel runs. qkv::Error becomes
+// conventions. The one exception, attention_exchange (exchange.hpp), has
+// PyTorch allocate the output from C. The GIL is released while a kernel runs. qkv::Error becomes
 // ValueError (nanobind's translation of std::invalid_argument).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "exchange.hpp"
 #include "options.hpp"
 #include "qkv/qkv.hpp"
 
@@ -190,6 +192,9 @@ NB_MODULE(_qkv, m) {
         "Attention of q [B, Nq, Hq, Dk], k [B, Nk, Hkv, Dk], v [B, Nk, Hkv, Dv] into out "
         "[B, Nq, Hq, Dv] (dtype of q), lse [B, Hq, Nq] and probs [B, Hq, Nq, Nk] (float32; "
         "float64 for float64 inputs) when given.");
+  m.def("attention_exchange", &attention_exchange, "q"_a, "k"_a, "v"_a, "options"_a,
+        "attention(q, k, v) for tensors that export DLPack's C exchange API (PyTorch's): "
+        "returns out, allocated by their library, or None when that path does not apply.");
   m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a.none(),
         "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(),
         "d_additive_w_q"_a.none(), "d_additive_w_k"_a.none(), "d_additive_v"_a.none(),

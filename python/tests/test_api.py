@@ -124,6 +124,40 @@ def test_tensor_views_are_read_as_torch_reads_them():
     assert torch.equal(qkv.attention(leaf, k, v, causal=True), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_tensors_through_the_exchange_api_match_the_capsule_path(dtype):
+    # qkv.attention on plain tensors goes through DLPack's C exchange API
+    # (qkv._qkv.attention_exchange); return_lse=True takes the capsule path,
+    # the same kernel: the outputs are bitwise equal.
+    q, k, v = (torch.from_numpy(x).to(dtype) for x in problem(nq=9, nk=11, d=16, dv=16))
+    views = (q, k, v), (q.transpose(1, 2).contiguous().transpose(1, 2), k[:, :, :, :], v)
+    for tq, tk, tv in views:
+        for opts in ({}, {"causal": True}, {"window": (2, 0), "softcap": 3.0}):
+            out = qkv.attention(tq, tk, tv, **opts)
+            assert type(out) is torch.Tensor and out.dtype == dtype and out.is_contiguous()
+            assert out.shape == (2, 9, 4, 16) and not out.requires_grad
+            assert torch.equal(out, qkv.attention(tq, tk, tv, return_lse=True, **opts).out)
+    native = qkv._qkv.attention_exchange(q, k, v, qkv._api._DEFAULT_OPTIONS)
+    assert torch.equal(native, qkv.attention(q, k, v))
+
+
+def test_exchange_api_declines_what_it_does_not_take():
+    # None: the caller takes the general path, which reports any error.
+    q, k, v = (torch.from_numpy(x) for x in problem())
+    o = qkv._api._DEFAULT_OPTIONS
+    native = qkv._qkv.attention_exchange
+    assert native(q.numpy(), k.numpy(), v.numpy(), o) is None  # no exchange API
+    assert native(q, k.numpy(), v, o) is None  # mixed types
+    assert native(q[0], k, v, o) is None  # not 4-D
+    assert native(q.int(), k.int(), v.int(), o) is None  # a dtype qkv does not take
+    assert native(q.to("meta"), k.to("meta"), v.to("meta"), o) is None  # not in CPU memory
+    # A subclass (an nn.Parameter) goes through the capsule path, unchanged.
+    param = torch.nn.Parameter(q.clone())
+    assert torch.equal(qkv.attention(param, k, v), qkv.attention(q, k, v))
+    with pytest.raises(ValueError, match="head dim"):
+        native(q, k[..., :4], v, o)  # the attention call's own checks
+
+
 def test_inputs_are_not_copied():
     # q of 8 MiB in a transposed layout; the call may allocate its output
     # (B Nq Hq Dv floats, 256 KiB here) and small metadata, not a copy of q.
