@@ -513,11 +513,16 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   float* o = sc.o.get();
   std::fill_n(m, rows_pad, kNegInf);
   std::fill_n(l, rows_pad, 0.0f);
-  std::fill_n(o, rows * shape.dv_pad, 0.0f);  // no product reads or writes padding rows
 
   // The vectors of S^T columns that hold the unit's rows; the softmax skips
   // the padding beyond them.
   const std::int64_t rows_used = RoundUp(rows, lanes);
+  // O (the unit's rows; no product reads or writes padding rows) holds
+  // nothing until the first open block: that block writes P V into it when
+  // every row sees all its keys (the same sums as adding to zeros), else O
+  // is cleared first; rescaling zeros by alpha is skipped.
+  bool o_written = false;
+  auto clear_o = [&] { std::fill_n(o, rows * shape.dv_pad, 0.0f); };
   ForEachOpenBlock(
       plan, u, g, shape, cache, sc,
       [&](std::int64_t j0, std::int64_t cols, const KeySpan* row_keys) {
@@ -532,12 +537,19 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
             return std::pair<std::int64_t, std::int64_t>{k.begin, std::max(k.begin, k.end)};
           });
         }
-        RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
+        const bool overwrite = !o_written && row_keys == nullptr;
+        if (o_written) {
+          RescaleRows(o, rows, shape.dv_pad, shape.dv_pad, alpha);
+        } else if (!overwrite) {
+          clear_o();
+        }
+        o_written = true;
         if (plan.options->dropout_p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
         const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
         AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.row_stride, v.panel_stride,
-                         shape.dv_pad, o, shape.dv_pad);
+                         shape.dv_pad, o, shape.dv_pad, overwrite);
       });
+  if (!o_written) clear_o();  // no open block: every row is empty
 
   // O / l into out (rounded once), m + log l into lse.
   const TensorView out = plan.out;

@@ -131,7 +131,7 @@ inline void ScoresTransposed(const float* HWY_RESTRICT k, std::int64_t ldk, std:
 
 // O[rows][dv_pad] += P V with P given transposed, P^T[keys][rows_pad], and
 // V as column panels of NR floats whose rows are v_row floats apart (NR when
-// packed). With
+// packed); with `overwrite` (only without row_keys), O = P V instead. With
 // `row_keys` (one span per row; keys outside it have P = 0), each strip of
 // rows runs over the union of its rows' spans only. Value column panels
 // outer: the panel's keys x NR floats stay in L1 while the query strips
@@ -140,7 +140,7 @@ inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pa
                              std::int64_t rows, std::int64_t keys, const KeySpan* row_keys,
                              const float* HWY_RESTRICT v, std::int64_t v_row,
                              std::int64_t v_panel_stride, std::int64_t dv_pad,
-                             float* HWY_RESTRICT o, std::int64_t ldo) {
+                             float* HWY_RESTRICT o, std::int64_t ldo, bool overwrite = false) {
   const std::int64_t nr = ValueWidth();
   for (std::int64_t c = 0; c < dv_pad; c += nr) {
     for (std::int64_t r0 = 0; r0 < rows; r0 += kValueStrip) {
@@ -157,11 +157,13 @@ inline void AccumulateValues(const float* HWY_RESTRICT p_t, std::int64_t rows_pa
         const float* panel = v + (c / nr) * v_panel_stride + span.begin * v_row;
         const float* p = p_t + span.begin * rows_pad + r0;
         const std::int64_t depth = span.end - span.begin;
-        if (v_row == nr) {  // packed panels: the row step is a compile-time constant
-          Micro<strip(), kValueVecs, true>(p, 1, rows_pad, depth, panel, nr, o + r0 * ldo + c, ldo);
+        float* out = o + r0 * ldo + c;
+        if (overwrite) {
+          Micro<strip(), kValueVecs, false>(p, 1, rows_pad, depth, panel, v_row, out, ldo);
+        } else if (v_row == nr) {  // packed panels: the row step is a compile-time constant
+          Micro<strip(), kValueVecs, true>(p, 1, rows_pad, depth, panel, nr, out, ldo);
         } else {
-          Micro<strip(), kValueVecs, true>(p, 1, rows_pad, depth, panel, v_row, o + r0 * ldo + c,
-                                           ldo);
+          Micro<strip(), kValueVecs, true>(p, 1, rows_pad, depth, panel, v_row, out, ldo);
         }
       });
     }
