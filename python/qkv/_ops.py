@@ -125,6 +125,12 @@ def _backward(ctx, dout, dlse):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+def dropout_seed_from_torch() -> int:
+    """A dropout seed drawn from torch's default CPU generator (so
+    torch.manual_seed makes dropout reproducible)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None, key_lengths: Optional[Tensor] = None,
@@ -139,7 +145,7 @@ def attention(
     dropout_seed, dropout draws one from torch's generator (so
     torch.manual_seed makes it reproducible)."""
     if dropout_p > 0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        dropout_seed = dropout_seed_from_torch()
     if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
         alibi_slopes = alibi_slopes.float()
     return torch.ops.qkv.attention(

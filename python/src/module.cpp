@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 #include <omp.h>
 
+#include <string>
 #include <vector>
 
 #include "arrays.hpp"
@@ -195,6 +196,17 @@ NB_MODULE(_qkv, m) {
   m.def("attention_exchange", &attention_exchange, "q"_a, "k"_a, "v"_a, "options"_a,
         "attention(q, k, v) for tensors that export DLPack's C exchange API (PyTorch's): "
         "returns out, allocated by their library, or None when that path does not apply.");
+  m.def("sdpa_exchange", &sdpa_exchange, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(),
+        "scale"_a.none(), "is_causal"_a, "enable_gqa"_a, "dropout_p"_a, "dropout_seed"_a,
+        "threads"_a, "return_lse"_a,
+        "scaled_dot_product_attention's forward on tensors in its layout that export DLPack's C "
+        "exchange API: returns out [..., Hq, L, Ev], contiguous (with return_lse, (out, lse)), "
+        "or None when that path does not apply (see exchange.hpp).");
+  m.def("sdpa_backward_exchange", &sdpa_backward_exchange, "grad_out"_a, "query"_a, "key"_a,
+        "value"_a, "out"_a, "lse"_a, "attn_mask"_a.none(), "scale"_a.none(), "is_causal"_a,
+        "enable_gqa"_a, "dropout_p"_a, "dropout_seed"_a, "threads"_a,
+        "The backward of sdpa_exchange: (dq, dk, dv) in the inputs' layouts, or None when that "
+        "path does not apply.");
   m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a.none(),
         "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(),
         "d_additive_w_q"_a.none(), "d_additive_w_k"_a.none(), "d_additive_v"_a.none(),
@@ -362,6 +374,34 @@ NB_MODULE(_qkv, m) {
       "q"_a, "k"_a, "v"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a, "feature_map"_a, "causal"_a,
       "normalize"_a, "eps"_a, "chunk"_a, "backend"_a);
 
+  m.def(
+      "dropout_keep_into",
+      [](const Out& keep, std::uint64_t seed, std::uint32_t offset, double p) {
+        const TensorView kv = view_of(keep, "keep");
+        if (kv.dtype() != DType::boolean || kv.rank() != 4 || !kv.is_contiguous()) {
+          throw Error("keep: expected a contiguous 4-D bool array [B, Hq, Nq, Nk], got " +
+                      std::string(dtype_name(kv.dtype())) + " " + shape_string(kv.size_span()));
+        }
+        if (!(p >= 0.0 && p < 1.0)) {
+          throw Error("p: expected a probability in [0, 1), got " + std::to_string(p));
+        }
+        nb::gil_scoped_release release;
+        auto* out = static_cast<bool*>(kv.data());
+        const std::int64_t hq = kv.size(1), nq = kv.size(2), nk = kv.size(3);
+        for (std::int64_t b = 0; b < kv.size(0); ++b) {
+          for (std::int64_t h = 0; h < hq; ++h) {
+            for (std::int64_t i = 0; i < nq; ++i) {
+              for (std::int64_t j = 0; j < nk; ++j) {
+                *out++ = dropout_keep(seed, offset, p, hq, b, h, i, j);
+              }
+            }
+          }
+        }
+      },
+      "keep"_a, "seed"_a, "offset"_a, "p"_a,
+      "Writes dropout's pattern into keep [B, Hq, Nq, Nk] (bool, contiguous): keep[b, h, i, "
+      "j] = qkv::dropout_keep(seed, offset, p, Hq, b, h, i, j), whether attention's dropout "
+      "keeps that weight.");
   m.def("alibi_slopes", &alibi_slopes, "num_heads"_a,
         "ALiBi's slopes for num_heads heads (Press et al. 2022), as a list of floats.");
   m.def(
