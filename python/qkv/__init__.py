@@ -29,11 +29,13 @@ from ._api import (
     linear_attention_step,
     set_num_threads,
 )
+from ._errors import ArgumentError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Additive",
+    "ArgumentError",
     "AttentionGradients",
     "AttentionResult",
     "KvCache",

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 import qkv
 from qkv.torch import scaled_dot_product_attention as sdpa
@@ -17,6 +18,10 @@ K = R.standard_normal((2, 7, 2, 8)).astype(np.float32)
 V = K.copy()
 Z = np.zeros((1, 2, 1, 4), np.float32)
 T = torch.zeros(1, 1, 2, 4)
+
+
+class MaskSubclass(torch.Tensor):
+    """A tensor subclass, which may mean something other than its data."""
 
 
 def cache(capacity=4):
@@ -104,14 +109,22 @@ BAD = [
      lambda: qkv.SparsePattern.strided(0)),
     (ValueError, "n: expected a thread count >= 1, got 0", lambda: qkv.set_num_threads(0)),
     (TypeError, "n: expected an int, got float", lambda: qkv.set_num_threads(2.0)),
-    (ValueError, "attn_mask must not be given with is_causal=True",
+    (qkv.ArgumentError, "attn_mask must not be given with is_causal=True",
      lambda: sdpa(T, T, T, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)),
-    (ValueError, "query has 2 heads and key 1; pass enable_gqa=True",
+    (qkv.ArgumentError, "query has 2 heads and key 1; pass enable_gqa=True",
      lambda: sdpa(torch.zeros(1, 2, 2, 4), T, T)),
-    (ValueError, "dropout_p: expected a value in [0, 1), got 1.5",
+    (qkv.ArgumentError, "dropout_p: expected a probability in [0, 1], got 1.5",
      lambda: sdpa(T, T, T, dropout_p=1.5)),
-    (ValueError, "value: expected shape [..., 1, 2, Ev], got [1, 1, 3, 4]",
+    (qkv.ArgumentError, "value: expected shape [..., 1, 2, Ev], got [1, 1, 3, 4]",
      lambda: sdpa(T, T, torch.zeros(1, 1, 3, 4))),
+    (TypeError, "argument 'is_causal' must be bool, not str",
+     lambda: sdpa(T, T, T, is_causal="no")),
+    (TypeError, "got the tensor subclass test_errors.MaskSubclass, which qkv does not read",
+     lambda: sdpa(T, T, T, attn_mask=torch.zeros(2, 2).as_subclass(MaskSubclass))),
+    (qkv.ArgumentError, "a causal_lower_right bias of shape (2, 3) does not broadcast",
+     lambda: sdpa(T, T, T, attn_mask=causal_lower_right(2, 3))),
+    (qkv.ArgumentError, "expected query, key and value of the same rank >= 2, got shapes [4]",
+     lambda: sdpa(T[0, 0, 0], T, T)),
 ]
 
 

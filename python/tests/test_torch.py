@@ -2,6 +2,8 @@
 pinned torch), and torch.ops.qkv.attention under autograd, gradcheck,
 opcheck and torch.compile."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,10 +64,6 @@ def test_sdpa_ranks_and_broadcast_masks(shape):
     q = torch.randn(*shape)
     k = torch.randn(*shape[:-2], 7, 8)
     v = torch.randn(*shape[:-2], 7, 8)
-    if len(shape) < 3:
-        with pytest.raises(ValueError, match="rank >= 3"):
-            sdpa(q, k, v)
-        return
     mask = torch.randn(5, 7)
     out = sdpa(q, k, v, attn_mask=mask)
     ref = F.scaled_dot_product_attention(f64(q), f64(k), f64(v), attn_mask=f64(mask))
@@ -138,3 +136,86 @@ def test_dropout_is_reproducible_under_manual_seed():
     torch.manual_seed(7)
     b = sdpa(q, k, v, dropout_p=0.5)
     assert torch.equal(a, b) and not torch.equal(a, sdpa(q, k, v))
+
+
+# --------------------------------------------------------------------------------------------
+# What PyTorch's function accepts, qkv's takes with the same result
+
+
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+@pytest.mark.parametrize("lengths", [(5, 5), (3, 7), (7, 3)], ids=["square", "wide", "tall"])
+def test_causal_bias_objects_match_pytorch(variant, lengths):
+    """torch.nn.attention.bias's causal biases mean causal masks aligned to the top
+    left or the bottom right, never data; forward and gradients as PyTorch's."""
+    import warnings
+
+    from torch.nn.attention import bias
+
+    nq, nk = lengths
+    with warnings.catch_warnings():  # lower_right with nq > nk warns of NaN: rows are 0 here
+        warnings.simplefilter("ignore")
+        mask = getattr(bias, f"causal_{variant}")(nq, nk)
+    args = [torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True)
+            for n in (nq, nk, nk)]
+    w = torch.randn(2, 3, nq, 8, dtype=torch.float64)
+    (sdpa(*args, attn_mask=mask) * w).sum().backward()
+    ours = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    (F.scaled_dot_product_attention(*args, attn_mask=mask) * w).sum().backward()
+    for mine, theirs in zip(ours, [a.grad for a in args]):
+        assert (mine - theirs).abs().max().item() < 1e-12
+    with torch.no_grad():
+        got = sdpa(*args, attn_mask=mask)
+        want = F.scaled_dot_product_attention(*args, attn_mask=mask)
+    assert (got - want).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="is_causal=True"):
+        sdpa(*args, attn_mask=mask, is_causal=True)
+
+
+def test_outputs_are_contiguous_and_errors_are_runtime_errors():
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 6)
+    for grad in (False, True):
+        out = sdpa(*(t.clone().requires_grad_(grad) for t in (q, k, v)))
+        assert out.is_contiguous() and out.view(2, 4 * 5 * 6).shape == (2, 120)
+    with pytest.raises(RuntimeError, match="pass enable_gqa=True"):
+        sdpa(q, k[:, :2], v[:, :2])
+    with pytest.raises(RuntimeError, match="options.scale: expected a finite number"):
+        sdpa(q, k, v, scale=math.inf)  # refused by the native checks: the same type
+    with pytest.raises(TypeError, match="argument 'is_causal' must be bool, not str"):
+        sdpa(q, k, v, is_causal="no")
+    with pytest.raises(TypeError, match="argument 'enable_gqa' must be bool, not int"):
+        sdpa(q, k, v, enable_gqa=1)
+
+
+def test_dropout_one_gives_zeros_and_zero_gradients():
+    args = [torch.randn(2, 3, n, 8, requires_grad=True) for n in (5, 7, 7)]
+    out = sdpa(*args, dropout_p=1.0, is_causal=True)
+    assert torch.equal(out, torch.zeros(2, 3, 5, 8))
+    assert torch.equal(out, F.scaled_dot_product_attention(*args, dropout_p=1.0, is_causal=True))
+    out.sum().backward()
+    for a in args:
+        assert torch.equal(a.grad, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_fast_path_and_operator_agree_bitwise(grad):
+    """The native fast path and the registered operator (torch.compile's, and
+    the float mask's gradient) compute the same numbers, dropout included."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 6)
+    mask = torch.rand(2, 1, 5, 7) > 0.2
+    for kwargs in (dict(is_causal=True), dict(attn_mask=mask), dict(dropout_p=0.3)):
+        inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        torch.manual_seed(3)
+        fast = sdpa(*inputs, enable_gqa=True, **kwargs)
+        torch.manual_seed(3)
+        layout = [t.transpose(1, 2) for t in inputs]
+        op, _ = _ops.attention(*layout, mask=None if "attn_mask" not in kwargs else mask,
+                               causal=kwargs.get("is_causal", False), top_left=True,
+                               dropout_p=kwargs.get("dropout_p", 0.0))
+        assert torch.equal(fast, op.transpose(1, 2))
+        if grad:
+            fast_grads = torch.autograd.grad(fast.square().sum(), inputs)
+            op_grads = torch.autograd.grad(op.square().sum(), inputs)
+            for a, b in zip(fast_grads, op_grads):
+                assert torch.equal(a, b)
