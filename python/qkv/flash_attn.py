@@ -21,13 +21,19 @@ Differences from FlashAttention 2.8:
   and bfloat16. softmax_lse is float32, or float64 for float64 inputs. v may
   have a head dimension different from q and k's, and any head dimension is
   accepted.
-* `return_attn_probs=True`: S_dmask holds the softmax probabilities before
-  dropout, [batch, nheads, seqlen_q, seqlen_k] (varlen: [batch, nheads,
-  max_seqlen_q, max_seqlen_k], zero past each sequence's lengths), in the
-  dtype of q, computed by a second forward pass. FlashAttention 2.8 returns an
-  empty tensor when dropout_p == 0 and otherwise unnormalized values padded
-  to multiples of 128 with dropped entries negated; here S_dmask never encodes
-  the dropout pattern.
+* `return_attn_probs=True`: S_dmask is [batch, nheads, seqlen_q, seqlen_k]
+  (varlen: [batch, nheads, max_seqlen_q, max_seqlen_k], zero past each
+  sequence's lengths) in the dtype of q, computed by a second forward pass.
+  As in FlashAttention it holds the softmax's numerators, negated where
+  dropout dropped the weight (the sign carries the dropout pattern, so
+  `S_dmask >= 0` is the kept mask); the scaling differs: qkv's entries are
+  exp(s_ij - m_i) with m_i the largest score of row i over all its keys
+  (FlashAttention's running maximum with a single key block), so
+  `S_dmask.abs() * exp(m_i - lse_i)` are the probabilities before dropout.
+  It is returned for every dropout_p (FlashAttention 2.8 returns an empty
+  tensor when dropout_p == 0) and is not padded to multiples of 128.
+* Invalid arguments raise qkv.ArgumentError, a RuntimeError as FlashAttention's
+  checks raise and a ValueError as qkv's.
 * softmax_lse is returned detached from autograd (FlashAttention returns it
   attached but its backward ignores the gradient it receives).
 * Dropout uses qkv's counter-based generator, seeded from torch's default
@@ -56,6 +62,7 @@ Differences from FlashAttention 2.8:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional, Tuple, Union
@@ -64,6 +71,7 @@ import torch
 from torch import Tensor
 
 from . import _api, _ops
+from ._errors import ArgumentError
 
 __all__ = [
     "flash_attn_func",
@@ -80,11 +88,28 @@ __all__ = [
 # Argument checks
 
 
+def _raises_like_flash_attn(fn):
+    """Makes the errors of qkv's native calls inside `fn` (ValueError) those
+    FlashAttention raises for the same input (RuntimeError, from its C++
+    checks): qkv.ArgumentError is both."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            if isinstance(e, ArgumentError):
+                raise
+            raise ArgumentError(str(e)).with_traceback(e.__traceback__) from None
+
+    return wrapper
+
+
 def _tensor(x, name: str, rank: int, layout: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
     if x.dim() != rank:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: expected {rank} dimensions {layout}, got shape {list(x.shape)}"
         )
     return x
@@ -93,7 +118,7 @@ def _tensor(x, name: str, rank: int, layout: str) -> Tensor:
 def _packed(x, name: str, rank: int, axis: int, count: int, layout: str) -> Tensor:
     _tensor(x, name, rank, layout)
     if x.shape[axis] != count:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: expected size {count} in dimension {axis} {layout}, "
             f"got shape {list(x.shape)}"
         )
@@ -117,9 +142,9 @@ def _int_vector(x, name: str, size: Optional[int] = None) -> Tensor:
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
     if x.dim() != 1:
-        raise ValueError(f"{name}: expected 1 dimension, got shape {list(x.shape)}")
+        raise ArgumentError(f"{name}: expected 1 dimension, got shape {list(x.shape)}")
     if size is not None and x.shape[0] != size:
-        raise ValueError(f"{name}: expected shape [{size}], got shape {list(x.shape)}")
+        raise ArgumentError(f"{name}: expected shape [{size}], got shape {list(x.shape)}")
     return x.to("cpu", torch.int64)
 
 
@@ -127,7 +152,7 @@ def _cu_seqlens(x, name: str) -> Tensor:
     if not isinstance(x, Tensor):
         x = torch.as_tensor(x, dtype=torch.int32)
     if x.dim() != 1 or x.shape[0] < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: expected shape [batch_size + 1] (cumulative lengths), "
             f"got shape {list(x.shape)}"
         )
@@ -139,7 +164,7 @@ def _block_table(x, batch: int) -> Tensor:
     if x.is_floating_point() or x.dtype == torch.bool:
         raise TypeError(f"block_table: expected an integer tensor, got {x.dtype}")
     if x.shape[0] != batch:
-        raise ValueError(
+        raise ArgumentError(
             f"block_table: expected {batch} rows (one per sequence), got shape {list(x.shape)}"
         )
     return x.to("cpu", torch.int64)
@@ -158,35 +183,57 @@ def _fa_lse(lse: Tensor) -> Tensor:
 
 def _probs(q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes,
            cu_seqlens_q=None, cu_seqlens_k=None) -> Tensor:
-    """The attention probabilities [B, Hq, Nq, Nk] (before dropout), dtype of q."""
+    """The attention probabilities [B, Hq, Nq, Nk] before dropout, float32
+    (float64 for float64 inputs)."""
     with torch.no_grad():
         r = _api.attention(
             q.detach(), k.detach(), v.detach(), scale=softmax_scale, causal=causal,
             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_probs=True,
         )
-    return r.probs.to(q.dtype)
+    return r.probs
+
+
+def _s_dmask(probs: Tensor, dropout_p: float, seed: int, dtype: torch.dtype) -> Tensor:
+    """FlashAttention's S_dmask from the probabilities [B, Hq, Nq, Nk] (varlen:
+    [batch, Hq, max_seqlen_q, max_seqlen_k], sequence b's at the top left):
+    exp(s_ij - m_i), m_i the largest score of row i (P_ij / max_j P_ij), and
+    negated where dropout dropped the weight; 0 where row i has no key."""
+    peak = probs.amax(-1, keepdim=True)
+    s = torch.where(peak > 0, probs / torch.where(peak > 0, peak, 1), 0)
+    if dropout_p > 0:
+        keep = torch.empty(probs.shape, dtype=torch.bool)
+        _api._qkv.dropout_keep_into(keep, seed, 0, dropout_p)
+        s = torch.where(keep, s, -s)
+    return s.to(dtype)
+
+
+def _seed(dropout_p: float) -> int:
+    """The dropout seed of a call (drawn from torch's generator), shared by the
+    forward and S_dmask."""
+    return _ops.dropout_seed_from_torch() if dropout_p > 0 else 0
 
 
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             return_attn_probs):
     """flash_attn_func's body: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]."""
     window = _window(window_size)
+    seed = _seed(dropout_p)
     out, lse = _ops.attention(
         q, k, v, alibi_slopes=alibi_slopes, scale=softmax_scale, causal=causal,
-        window=window, softcap=softcap, dropout_p=dropout_p,
+        window=window, softcap=softcap, dropout_p=dropout_p, dropout_seed=seed,
     )
     if not return_attn_probs:
         return out
-    s_dmask = _probs(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes)
-    return out, _fa_lse(lse), s_dmask
+    probs = _probs(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
+                   softcap=softcap, alibi_slopes=alibi_slopes)
+    return out, _fa_lse(lse), _s_dmask(probs, dropout_p, seed, q.dtype)
 
 
 def _varlen_probs(q, k, v, cu_q: Tensor, cu_k: Tensor, max_seqlen_q, max_seqlen_k,
                   **options) -> Tensor:
-    """S_dmask of a packed batch: [batch, Hq, max_seqlen_q, max_seqlen_k], each
-    sequence's probabilities in the top-left corner, zeros elsewhere."""
+    """The probabilities of a packed batch as [batch, Hq, max_seqlen_q,
+    max_seqlen_k], each sequence's in the top-left corner, zeros elsewhere."""
     packed = _probs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)[0]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
@@ -194,14 +241,13 @@ def _varlen_probs(q, k, v, cu_q: Tensor, cu_k: Tensor, max_seqlen_q, max_seqlen_
     for name, lengths, bound in (("max_seqlen_q", lq, max_seqlen_q),
                                  ("max_seqlen_k", lk, max_seqlen_k)):
         if lengths and max(lengths) > int(bound):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: a sequence has {max(lengths)} tokens, more than {name} = {bound}"
             )
-    s_dmask = packed.new_zeros((len(lq), packed.shape[0], int(max_seqlen_q),
-                                int(max_seqlen_k)))
+    probs = packed.new_zeros((len(lq), packed.shape[0], int(max_seqlen_q), int(max_seqlen_k)))
     for s in range(len(lq)):
-        s_dmask[s, :, :lq[s], :lk[s]] = packed[:, cq[s]:cq[s + 1], ck[s]:ck[s + 1]]
-    return s_dmask
+        probs[s, :, :lq[s], :lk[s]] = packed[:, cq[s]:cq[s + 1], ck[s]:ck[s + 1]]
+    return probs
 
 
 def _gather_varlen_pages(cache: Tensor, name: str, block_table: Tensor,
@@ -216,13 +262,13 @@ def _gather_varlen_pages(cache: Tensor, name: str, block_table: Tensor,
     seq = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
     t = torch.arange(total) - (cu[:-1] - cu[0])[seq]
     if total and int((t // page).max()) >= block_table.shape[1]:
-        raise ValueError(
+        raise ArgumentError(
             f"block_table: {block_table.shape[1]} blocks per sequence of {page} tokens "
             f"cannot hold a sequence of {int(lengths.max())} tokens"
         )
     blocks = block_table[seq, t // page]
     if total and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-        raise ValueError(
+        raise ArgumentError(
             f"block_table: block indices must lie in [0, {num_blocks}) for {name} with "
             f"{num_blocks} blocks, got [{int(blocks.min())}, {int(blocks.max())}]"
         )
@@ -238,7 +284,7 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if cu_q.shape[0] != cu_k.shape[0]:
-        raise ValueError(
+        raise ArgumentError(
             f"cu_seqlens_q and cu_seqlens_k: expected the same number of sequences, got "
             f"shapes {list(cu_q.shape)} and {list(cu_k.shape)}"
         )
@@ -248,24 +294,26 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         v = _gather_varlen_pages(v, "v", table, cu_k)
         cu_k = cu_k - cu_k[0]  # the gathered keys start at row 0
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    seed = _seed(dropout_p)
     out, lse = _ops.attention(
         q4, k4, v4, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         scale=softmax_scale, causal=causal, window=window, softcap=softcap,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, dropout_seed=seed,
     )
     out = out[0]
     if not return_attn_probs:
         return out
-    s_dmask = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale=softmax_scale, causal=causal, window=window,
-                            softcap=softcap, alibi_slopes=alibi_slopes)
-    return out, _fa_lse(lse[0]), s_dmask
+    probs = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale=softmax_scale, causal=causal, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes)
+    return out, _fa_lse(lse[0]), _s_dmask(probs, dropout_p, seed, q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # Fixed-length batches
 
 
+@_raises_like_flash_attn
 def flash_attn_func(
     q,
     k,
@@ -310,8 +358,8 @@ def flash_attn_func(
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32
             (float64 for float64 inputs), the logsumexp of each row of the scaled scores;
             +inf for rows without keys.
-        S_dmask [if return_attn_probs]: (batch_size, nheads, seqlen_q, seqlen_k), the
-            attention probabilities before dropout, in the dtype of q.
+        S_dmask [if return_attn_probs]: (batch_size, nheads, seqlen_q, seqlen_k), in the
+            dtype of q: exp(s_ij - max_j s_ij), negated where dropout dropped the weight.
     """
     _tensor(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _tensor(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
@@ -320,6 +368,7 @@ def flash_attn_func(
                    alibi_slopes, return_attn_probs)
 
 
+@_raises_like_flash_attn
 def flash_attn_qkvpacked_func(
     qkv,
     dropout_p=0.0,
@@ -351,6 +400,7 @@ def flash_attn_qkvpacked_func(
                    alibi_slopes, return_attn_probs)
 
 
+@_raises_like_flash_attn
 def flash_attn_kvpacked_func(
     q,
     kv,
@@ -388,6 +438,7 @@ def flash_attn_kvpacked_func(
 # Packed variable-length batches
 
 
+@_raises_like_flash_attn
 def flash_attn_varlen_func(
     q,
     k,
@@ -444,6 +495,7 @@ def flash_attn_varlen_func(
                           alibi_slopes, return_attn_probs, block_table)
 
 
+@_raises_like_flash_attn
 def flash_attn_varlen_qkvpacked_func(
     qkv,
     cu_seqlens,
@@ -478,6 +530,7 @@ def flash_attn_varlen_qkvpacked_func(
                           alibi_slopes, return_attn_probs)
 
 
+@_raises_like_flash_attn
 def flash_attn_varlen_kvpacked_func(
     q,
     kv,
@@ -546,22 +599,23 @@ def _rotary_tables(rotary_cos, rotary_sin, headdim: int, needed: int) -> None:
     _tensor(rotary_cos, "rotary_cos", 2, "(seqlen_ro, rotary_dim / 2)")
     _tensor(rotary_sin, "rotary_sin", 2, "(seqlen_ro, rotary_dim / 2)")
     if rotary_sin.shape != rotary_cos.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"rotary_sin: expected the shape of rotary_cos {list(rotary_cos.shape)}, "
             f"got {list(rotary_sin.shape)}"
         )
     if not 0 < 2 * rotary_cos.shape[1] <= headdim:
-        raise ValueError(
+        raise ArgumentError(
             f"rotary_cos: rotary_dim = 2 * {rotary_cos.shape[1]} must lie in [2, headdim = "
             f"{headdim}]"
         )
     if rotary_cos.shape[0] < needed:
-        raise ValueError(
+        raise ArgumentError(
             f"rotary_cos: {rotary_cos.shape[0]} positions (seqlen_ro), but the cache "
             f"reaches position {needed - 1}"
         )
 
 
+@_raises_like_flash_attn
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -634,7 +688,7 @@ def flash_attn_with_kvcache(
     _tensor(k_cache, "k_cache", 4, cache_layout)
     _tensor(v_cache, "v_cache", 4, cache_layout)
     if v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(
+        raise ArgumentError(
             f"v_cache: expected the first three dimensions of k_cache "
             f"{list(k_cache.shape[:3])}, got shape {list(v_cache.shape)}"
         )
@@ -644,7 +698,7 @@ def flash_attn_with_kvcache(
     paged = block_table is not None
     if paged:
         if cache_batch_idx is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "cache_batch_idx: not supported with a paged cache (block_table); the "
                 "block table already says where each sequence lives"
             )
@@ -655,7 +709,7 @@ def flash_attn_with_kvcache(
         capacity = k_cache.shape[1]
         if cache_batch_idx is None:
             if k_cache.shape[0] != batch:
-                raise ValueError(
+                raise ArgumentError(
                     f"k_cache: expected {batch} cache rows (the batch size of q) without "
                     f"cache_batch_idx, got shape {list(k_cache.shape)}"
                 )
@@ -663,13 +717,13 @@ def flash_attn_with_kvcache(
         else:
             rows = _int_vector(cache_batch_idx, "cache_batch_idx", batch)
             if batch and (int(rows.min()) < 0 or int(rows.max()) >= k_cache.shape[0]):
-                raise ValueError(
+                raise ArgumentError(
                     f"cache_batch_idx: indices must lie in [0, {k_cache.shape[0]}), got "
                     f"{rows.tolist()}"
                 )
 
     if (k is None) != (v is None):
-        raise ValueError("k and v: pass both (new keys and values to append) or neither")
+        raise ArgumentError("k and v: pass both (new keys and values to append) or neither")
     seqlen_new = 0
     if k is not None:
         _tensor(k, "k", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
@@ -678,9 +732,9 @@ def flash_attn_with_kvcache(
         for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
             expected = [batch, seqlen_new, cache.shape[2], cache.shape[3]]
             if list(new.shape) != expected:
-                raise ValueError(f"{name}: expected shape {expected}, got {list(new.shape)}")
+                raise ArgumentError(f"{name}: expected shape {expected}, got {list(new.shape)}")
         if cache_seqlens is None:
-            raise ValueError(
+            raise ArgumentError(
                 "cache_seqlens: required with k and v (where the new tokens are written)"
             )
 
@@ -692,7 +746,7 @@ def flash_attn_with_kvcache(
         seqlens = _int_vector(cache_seqlens, "cache_seqlens", batch)
     lengths = seqlens + seqlen_new
     if batch and (int(seqlens.min()) < 0 or int(lengths.max()) > capacity):
-        raise ValueError(
+        raise ArgumentError(
             f"cache_seqlens: each length plus seqlen_new = {seqlen_new} must lie in "
             f"[0, {capacity}] (the cache's capacity), got {seqlens.tolist()}"
         )
@@ -700,7 +754,7 @@ def flash_attn_with_kvcache(
     if cache_leftpad is not None:
         leftpad = _int_vector(cache_leftpad, "cache_leftpad", batch)
         if bool(((leftpad < 0) | (leftpad > seqlens)).any()):
-            raise ValueError(
+            raise ArgumentError(
                 f"cache_leftpad: expected 0 <= cache_leftpad[b] <= cache_seqlens[b], got "
                 f"{leftpad.tolist()} and {seqlens.tolist()}"
             )
@@ -708,9 +762,9 @@ def flash_attn_with_kvcache(
     positions = seqlens[:, None] + torch.arange(seqlen_new)  # [B, seqlen_new]
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None:
-            raise ValueError("rotary_cos and rotary_sin: pass both or neither")
+            raise ArgumentError("rotary_cos and rotary_sin: pass both or neither")
         if k is None:
-            raise ValueError(
+            raise ArgumentError(
                 "rotary_cos: rotary embedding needs the new keys k and values v"
             )
         # FlashAttention drops a window side that covers the whole cache.
@@ -732,7 +786,7 @@ def flash_attn_with_kvcache(
         in_use = torch.arange(nblocks)[None, :] * page < lengths[:, None]
         used = torch.where(in_use, table[:, :nblocks], 0)
         if bool(((used < 0) | (used >= k_cache.shape[0])).any()):
-            raise ValueError(
+            raise ArgumentError(
                 f"block_table: block indices must lie in [0, {k_cache.shape[0]}) (the "
                 f"blocks of k_cache), got {table[:, :nblocks].tolist()}"
             )

@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 
+import qkv
 import qkv.flash_attn as fa
 
 F32_ULP = 2.0**-23
@@ -76,6 +77,13 @@ def ref_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap
     out = torch.einsum("bhij,bjhd->bihd", probs, vv)
     lse = torch.where(empty, math.inf, lse)
     return out, lse, probs
+
+
+def ref_numerators(probs):
+    """S_dmask without dropout, as qkv.flash_attn documents it: exp(s_ij - m_i) with
+    m_i the row's largest score, i.e. P_ij / max_j P_ij (0 for rows without keys)."""
+    peak = probs.amax(-1, keepdim=True)
+    return torch.where(peak > 0, probs / torch.where(peak > 0, peak, 1.0), 0.0)
 
 
 def ref_varlen(q, k, v, cu_q, cu_k, *, alibi=None, **options):
@@ -196,7 +204,7 @@ def test_func_matches_reference(case, dtype, gen):
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(out, ref_out, dtype, what="out")
     assert_close(lse, ref_lse, dtype, what="softmax_lse")
-    assert_close(s_dmask, ref_probs, dtype, what="S_dmask")
+    assert_close(s_dmask, ref_numerators(ref_probs), dtype, what="S_dmask")
     plain = fa.flash_attn_func(q, k, v, **kwargs)
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
 
@@ -216,6 +224,56 @@ def test_fully_masked_rows_are_zero_with_infinite_lse(gen):
     assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
     assert torch.isposinf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
     assert torch.equal(s_dmask[:, :, :3], torch.zeros_like(s_dmask[:, :, :3]))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["func", "varlen"])
+def test_s_dmask_carries_the_dropout_pattern(varlen, gen):
+    """With dropout, S_dmask's sign is the kept mask (negative = dropped), as
+    FlashAttention's tests read it: the output and gradients are the reference's
+    with that mask, the dropped fraction is dropout_p, and |S_dmask| normalized
+    per row is the probabilities before dropout."""
+    p, b, n, hq, hkv, d = 0.3, 2, 40, 4, 2, 16
+    q = randn(b, n, hq, d, generator=gen)
+    k, v = (randn(b, n + 3, hkv, d, generator=gen) for _ in range(2))
+    w = randn(b, n, hq, d, generator=gen)
+    torch.manual_seed(7)
+    if varlen:
+        cu_q, cu_k = cumulative([n] * b), cumulative([n + 3] * b)
+        out, _, s_dmask = fa.flash_attn_varlen_func(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, n, n + 3, p,
+            causal=True, return_attn_probs=True)
+        out = out.unflatten(0, (b, n))
+    else:
+        out, _, s_dmask = fa.flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
+    keep = ~torch.signbit(s_dmask)
+    _, _, probs = ref_attention(q, k, v, causal=True)
+    admitted = probs > 0
+    dropped = (~keep & admitted).sum().item() / admitted.sum().item()
+    # 2 * 4 * 40 * 41.5 admitted weights: the fraction's standard deviation is 0.004.
+    assert abs(dropped - p) < 0.03, dropped
+    rows = s_dmask.abs().sum(-1, keepdim=True)
+    assert_close(s_dmask.abs() / torch.where(rows > 0, rows, 1.0), probs, torch.float64,
+                 what="|S_dmask| normalized")
+
+    def dropped_ref(q, k, v):
+        vv = v.repeat_interleave(hq // hkv, dim=2)
+        pp = ref_attention(q, k, v, causal=True)[2] * keep / (1 - p)
+        return torch.einsum("bhij,bjhd->bihd", pp, vv)
+
+    assert_close(out, dropped_ref(q, k, v), torch.float64, what="out")
+    torch.manual_seed(7)
+    if varlen:
+        def fn(q, k, v):
+            return fa.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                             cu_q, cu_k, n, n + 3, p,
+                                             causal=True).unflatten(0, (b, n))
+    else:
+        def fn(q, k, v):
+            return fa.flash_attn_func(q, k, v, p, causal=True)
+    _, grads = training_step(fn, (q, k, v), w)
+    _, ref_grads = training_step(dropped_ref, (q, k, v), w)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, r, torch.float64, what=name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,7 +417,7 @@ def test_varlen_matches_reference(options, dtype, gen):
     assert s_dmask.shape == (len(LENS_Q), hq, max(LENS_Q), max(LENS_K))
     for s, p in enumerate(ref_probs):
         nq, nk = LENS_Q[s], LENS_K[s]
-        assert_close(s_dmask[s, :, :nq, :nk], p, dtype, what=f"S_dmask[{s}]")
+        assert_close(s_dmask[s, :, :nq, :nk], ref_numerators(p), dtype, what=f"S_dmask[{s}]")
         assert not s_dmask[s, :, nq:].any() and not s_dmask[s, :, :, nk:].any()
 
 
@@ -652,42 +710,51 @@ def test_signatures_are_flash_attention_2_8(name):
 
 
 def test_bad_arguments(gen):
+    """FlashAttention raises RuntimeError for these (its C++ checks); qkv.ArgumentError
+    is a RuntimeError and a ValueError, naming the argument."""
+    assert issubclass(qkv.ArgumentError, RuntimeError)
     q, k, v = (randn(1, 4, 2, 8, generator=gen) for _ in range(3))
-    with pytest.raises(ValueError, match=r"q: expected 4 dimensions .*got shape \[4, 2, 8\]"):
+    with pytest.raises(qkv.ArgumentError,
+                       match=r"q: expected 4 dimensions .*got shape \[4, 2, 8\]"):
         fa.flash_attn_func(q[0], k, v)
     with pytest.raises(TypeError, match=r"k: expected a torch.Tensor .*got ndarray"):
         fa.flash_attn_func(q, k.numpy(), v)
-    with pytest.raises(ValueError, match=r"qkv: expected size 3 in dimension 2"):
+    with pytest.raises(qkv.ArgumentError, match=r"qkv: expected size 3 in dimension 2"):
         fa.flash_attn_qkvpacked_func(randn(1, 4, 2, 2, 8, generator=gen))
-    with pytest.raises(ValueError, match=r"kv: expected 5 dimensions"):
+    with pytest.raises(qkv.ArgumentError, match=r"kv: expected 5 dimensions"):
         fa.flash_attn_kvpacked_func(q, k)
     with pytest.raises(TypeError, match=r"window_size: expected a pair"):
         fa.flash_attn_func(q, k, v, window_size=3)
+    # Refused by qkv's native checks: the same error type.
+    with pytest.raises(qkv.ArgumentError, match=r"options.scale: expected a finite number"):
+        fa.flash_attn_func(q, k, v, softmax_scale=math.nan)
 
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected shape \[batch_size \+ 1\]"):
+    with pytest.raises(qkv.ArgumentError,
+                       match=r"cu_seqlens_q: expected shape \[batch_size \+ 1\]"):
         fa.flash_attn_varlen_func(q[0], k[0], v[0], cu[None], cu, 2, 2)
-    with pytest.raises(ValueError, match=r"max_seqlen_q: a sequence has 2 tokens"):
+    with pytest.raises(qkv.ArgumentError, match=r"max_seqlen_q: a sequence has 2 tokens"):
         fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 1, 2, return_attn_probs=True)
 
     k_cache, v_cache = randn(1, 4, 2, 8, generator=gen), randn(1, 4, 2, 8, generator=gen)
     new = randn(1, 1, 2, 8, generator=gen)
-    with pytest.raises(ValueError, match=r"cache_seqlens: required with k and v"):
+    with pytest.raises(qkv.ArgumentError, match=r"cache_seqlens: required with k and v"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new)
-    with pytest.raises(ValueError, match=r"cache_seqlens: .*capacity"):
+    with pytest.raises(qkv.ArgumentError, match=r"cache_seqlens: .*capacity"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=4)
-    with pytest.raises(ValueError, match=r"k and v: pass both"):
+    with pytest.raises(qkv.ArgumentError, match=r"k and v: pass both"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, cache_seqlens=1)
-    with pytest.raises(ValueError, match=r"cache_batch_idx: not supported with a paged cache"):
+    with pytest.raises(qkv.ArgumentError,
+                       match=r"cache_batch_idx: not supported with a paged cache"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1,
                                    cache_batch_idx=torch.tensor([0]),
                                    block_table=torch.tensor([[0]]))
     cos, sin = rotary_tables(4, 8)
-    with pytest.raises(ValueError, match=r"rotary_cos: rotary embedding needs the new keys"):
+    with pytest.raises(qkv.ArgumentError, match=r"rotary_cos: rotary embedding needs the new keys"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
                                    cache_seqlens=1)
     before = k_cache.clone()
-    with pytest.raises(ValueError, match=r"block_table: block indices must lie in \[0, 1\)"):
+    with pytest.raises(qkv.ArgumentError, match=r"block_table: block indices must lie in \[0, 1\)"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
                                    block_table=torch.tensor([[2]]))
     assert torch.equal(k_cache, before)  # nothing written when the call is refused
