@@ -3,35 +3,31 @@
 
 On a shape small enough that the kernel takes a few microseconds (default
 B=1, H=8, N=16, D=64, float32, no mask), the time of one call is mostly what
-Python, the argument checks and the operator dispatch cost. Timed, each on
-the same values:
+Python, the argument checks and the dispatch cost. Timed, each on the same
+values:
 
   torch_sdpa           torch.nn.functional.scaled_dot_product_attention(q, k, v)
                        on [B, H, N, D] tensors
-  torch_sdpa_grad      the same with inputs that require grad (autograd records
-                       the graph; no backward runs)
+  torch_sdpa_causal    the same with is_causal=True
+  torch_sdpa_grad      the same (not causal) with inputs that require grad
+                       (autograd records the graph; no backward runs)
   torch_sdpa_compiled  torch.compile(fullgraph=True) of a function calling it
-  qkv_native           the native function under qkv.attention on plain tensors,
-                       _qkv.attention_exchange(q, k, v, options) with the
-                       options built once: it reads the tensors and allocates
-                       the output through DLPack's C exchange API, then runs
-                       the C++ call
-  qkv_capsules         the native function qkv.attention uses otherwise
-                       (NumPy arrays, return_lse, a given out), given DLPack
-                       capsules of the tensors (torch.utils.dlpack.to_dlpack)
-                       and an output allocated once: the C++ call and
-                       nanobind's argument conversion
-  qkv_attention        qkv.attention(q, k, v) on [B, N, H, D] tensors: the
-                       plain function path (no torch.library op, no autograd)
-  qkv_attention_lse    qkv.attention(q, k, v, return_lse=True): what the
-                       registered op's body runs
-  qkv_op               qkv._ops.attention(q, k, v) on [B, N, H, D]: the call of
-                       the registered op torch.ops.qkv.attention, without
-                       qkv.torch's argument checks and layout views
+  qkv_native           the native function under qkv.torch's fast path,
+                       _qkv.sdpa_exchange, on the same [B, H, N, D] tensors:
+                       it reads them and allocates the output through DLPack's
+                       C exchange API, then runs the C++ call
   qkv_torch            qkv.torch.scaled_dot_product_attention(q, k, v) on
-                       [B, H, N, D]: the drop-in, through the registered op
-  qkv_torch_grad       the same with inputs that require grad
+                       [B, H, N, D]: the drop-in (its fast path)
+  qkv_torch_causal     the same with is_causal=True
+  qkv_torch_grad       the same (not causal) with inputs that require grad
+                       (its torch.autograd.Function)
   qkv_torch_compiled   torch.compile(fullgraph=True) of a function calling it
+                       (the registered op torch.ops.qkv.attention)
+  qkv_attention        qkv.attention(q, k, v) on [B, N, H, D] tensors: qkv's
+                       own API
+  qkv_op               qkv._ops.attention(q, k, v) on [B, N, H, D]: the call of
+                       the registered op torch.ops.qkv.attention, which
+                       torch.compile and float masks that require grad use
   empty                a function that returns None: the cost of the timing
                        loop itself, included in every other line
 
@@ -41,13 +37,12 @@ round to the next), so a change of machine speed during the run hits all of
 them alike; every implementation first runs --warmup calls (torch.compile
 compiles there). Reported per implementation, over all rounds * calls calls:
 the minimum and the median in microseconds, the median's ratio to
-torch_sdpa's (torch_sdpa_grad's for the _grad lines, torch_sdpa_compiled's
-for the _compiled lines, in the last column), and the spread of the per-round
-medians. Then the differences of medians that isolate the costs: the
-registered op's dispatch (qkv_op - qkv_attention_lse), qkv.torch's own
-Python (qkv_torch - qkv_op) and both together (qkv_torch - qkv_attention);
-qkv.attention's own Python (qkv_attention - qkv_native); autograd recording
-(qkv_torch_grad - qkv_torch).
+torch_sdpa's (torch_sdpa_causal's for the _causal lines, torch_sdpa_grad's
+for the _grad lines, torch_sdpa_compiled's for the _compiled lines, in the
+last column), and the spread of the per-round medians. Then the differences
+of medians that isolate the costs: the drop-in's Python (qkv_torch -
+qkv_native), autograd recording (qkv_torch_grad - qkv_torch), the registered
+op's dispatch (qkv_op - qkv_attention).
 
 --backend picks torch.compile's backend: inductor (the default; it needs a
 C++ compiler) or aot_eager; "auto" tries inductor and falls back to
@@ -70,7 +65,8 @@ from typing import Any, Callable
 
 BACKENDS = ("inductor", "aot_eager", "auto")
 # Each line's reference for the ratio column.
-REFERENCE = {"_grad": "torch_sdpa_grad", "_compiled": "torch_sdpa_compiled"}
+REFERENCE = {"_causal": "torch_sdpa_causal", "_grad": "torch_sdpa_grad",
+             "_compiled": "torch_sdpa_compiled"}
 
 
 def reference_of(name: str) -> str:
@@ -100,7 +96,7 @@ def compile_fn(torch: Any, fn: Callable, backend: str, args: tuple) -> tuple[Cal
 def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
                backend: str) -> tuple[dict[str, Callable[[], Any]], str]:
     """The implementations to time, as argument-free callables, and the compile backend."""
-    from qkv import _api, _ops, _qkv
+    from qkv import _ops, _qkv
     from qkv.torch import scaled_dot_product_attention as qkv_sdpa
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -111,10 +107,13 @@ def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
     qg, kg, vg = (x.clone().requires_grad_() for x in (qt, kt, vt))
 
     want = sdpa(qt, kt, vt)
+    want_causal = sdpa(qt, kt, vt, is_causal=True)
     outputs = (qkv.attention(q, k, v).transpose(1, 2), _ops.attention(q, k, v)[0].transpose(1, 2),
                qkv_sdpa(qt, kt, vt), qkv_sdpa(qg, kg, vg).detach())
     for got in outputs:
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    got = qkv_sdpa(qt, kt, vt, is_causal=True)
+    assert torch.allclose(got, want_causal, atol=1e-5), (got - want_causal).abs().max()
 
     def torch_fn(a: Any, b_: Any, c: Any) -> Any:
         return sdpa(a, b_, c)
@@ -128,27 +127,25 @@ def make_impls(torch: Any, qkv: Any, b: int, h: int, n: int, d: int,
     got = qkv_compiled(qt, kt, vt)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
-    options = _api._options()  # qkv.attention's defaults
-    out = torch.empty(b, n, h, d)
-    capsule = torch.utils.dlpack.to_dlpack  # one per tensor per call: nanobind consumes it
-    _qkv.attention_into(capsule(q), capsule(k), capsule(v), capsule(out), None, None, options)
-    assert torch.allclose(out.transpose(1, 2), want, atol=1e-5)
-    assert torch.equal(_qkv.attention_exchange(q, k, v, options), out)
+    threads = qkv.get_num_threads()
+    native = _qkv.sdpa_exchange
+    assert torch.equal(native(qt, kt, vt, None, None, False, False, 0.0, 0, threads, False),
+                       qkv_sdpa(qt, kt, vt))
 
     impls = {
         "empty": lambda: None,
         "torch_sdpa": lambda: sdpa(qt, kt, vt),
+        "torch_sdpa_causal": lambda: sdpa(qt, kt, vt, is_causal=True),
         "torch_sdpa_grad": lambda: sdpa(qg, kg, vg),
         "torch_sdpa_compiled": lambda: torch_compiled(qt, kt, vt),
-        "qkv_native": lambda: _qkv.attention_exchange(q, k, v, options),
-        "qkv_capsules": lambda: _qkv.attention_into(
-            capsule(q), capsule(k), capsule(v), capsule(out), None, None, options),
-        "qkv_attention": lambda: qkv.attention(q, k, v),
-        "qkv_attention_lse": lambda: qkv.attention(q, k, v, return_lse=True),
-        "qkv_op": lambda: _ops.attention(q, k, v),
+        "qkv_native": lambda: native(qt, kt, vt, None, None, False, False, 0.0, 0, threads,
+                                     False),
         "qkv_torch": lambda: qkv_sdpa(qt, kt, vt),
+        "qkv_torch_causal": lambda: qkv_sdpa(qt, kt, vt, is_causal=True),
         "qkv_torch_grad": lambda: qkv_sdpa(qg, kg, vg),
         "qkv_torch_compiled": lambda: qkv_compiled(qt, kt, vt),
+        "qkv_attention": lambda: qkv.attention(q, k, v),
+        "qkv_op": lambda: _ops.attention(q, k, v),
     }
     return impls, used
 
@@ -229,11 +226,9 @@ def main() -> None:
         s["ratio_to_reference"] = s["median_us"] / stats[reference_of(name)]["median_us"]
     med = {name: s["median_us"] for name, s in stats.items()}
     costs = {
-        "dispatch_us": med["qkv_op"] - med["qkv_attention_lse"],
-        "drop_in_python_us": med["qkv_torch"] - med["qkv_op"],
-        "drop_in_total_us": med["qkv_torch"] - med["qkv_attention"],
+        "drop_in_python_us": med["qkv_torch"] - med["qkv_native"],
         "autograd_recording_us": med["qkv_torch_grad"] - med["qkv_torch"],
-        "plain_python_us": med["qkv_attention"] - med["qkv_native"],
+        "op_dispatch_us": med["qkv_op"] - med["qkv_attention"],
     }
     shape = f"B={args.batch} H={args.heads} N={args.seq} D={args.dim} float32"
     if args.json:
@@ -257,16 +252,12 @@ def main() -> None:
               f"{s['ratio_to_torch_sdpa']:11.2f}x  {ratio}  "
               f"{s['round_median_min_us']:.2f} .. {s['round_median_max_us']:.2f}")
     print("differences of medians (us):")
-    print(f"  registered op dispatch  qkv_op - qkv_attention_lse   {costs['dispatch_us']:8.2f}")
-    print(f"  qkv.torch's own Python  qkv_torch - qkv_op           "
+    print(f"  qkv.torch's own Python  qkv_torch - qkv_native       "
           f"{costs['drop_in_python_us']:8.2f}")
-    print(f"  drop-in over plain      qkv_torch - qkv_attention    "
-          f"{costs['drop_in_total_us']:8.2f}")
     print(f"  autograd recording      qkv_torch_grad - qkv_torch   "
           f"{costs['autograd_recording_us']:8.2f}")
-    print(f"  qkv.attention's Python  qkv_attention - qkv_native   "
-          f"{costs['plain_python_us']:8.2f}")
-
+    print(f"  registered op dispatch  qkv_op - qkv_attention       "
+          f"{costs['op_dispatch_us']:8.2f}")
 
 if __name__ == "__main__":
     main()
