@@ -137,7 +137,7 @@ class _Attention(torch.autograd.Function):
             raise _NotApplicable
         out, lse = result
         ctx.save_for_backward(query, key, value, mask, out, lse)
-        ctx.options = (scale, is_causal, enable_gqa, dropout_p, seed, threads)
+        ctx.options = (scale, is_causal, enable_gqa, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -150,10 +150,12 @@ class _Attention(torch.autograd.Function):
         query, key, value, mask, out, lse = ctx.saved_tensors
         if type(grad_out) is not Tensor or grad_out.is_neg():
             grad_out = grad_out.resolve_neg().as_subclass(Tensor)
-        grads = _native_backward(grad_out, query, key, value, out, lse, mask, *ctx.options)
+        threads = _api._wanted_threads() or 0
+        grads = _native_backward(grad_out, query, key, value, out, lse, mask, *ctx.options,
+                                 threads)
         if grads is None:  # strides no single view walks: one copy
             grads = _native_backward(grad_out.contiguous(), query, key, value, out, lse, mask,
-                                     *ctx.options)
+                                     *ctx.options, threads)
         dq, dk, dv = grads
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
