@@ -148,18 +148,39 @@ class _Attention(torch.autograd.Function):
         if grad_out is None:
             return (None,) * 10
         query, key, value, mask, out, lse = ctx.saved_tensors
-        if type(grad_out) is not Tensor or grad_out.is_neg():
-            grad_out = grad_out.resolve_neg().as_subclass(Tensor)
-        threads = _api._wanted_threads() or 0
-        grads = _native_backward(grad_out, query, key, value, out, lse, mask, *ctx.options,
-                                 threads)
-        if grads is None:  # strides no single view walks: one copy
-            grads = _native_backward(grad_out.contiguous(), query, key, value, out, lse, mask,
-                                     *ctx.options, threads)
+        grads = None
+        if not _functorch_active():
+            if type(grad_out) is not Tensor or grad_out.is_neg():
+                grad_out = grad_out.resolve_neg().as_subclass(Tensor)
+            grads = _native_backward(grad_out, query, key, value, out, lse, mask, *ctx.options,
+                                     _api._wanted_threads() or 0)
+        if grads is None:  # a batched (vmap) gradient, or strides no single view walks
+            grads = _operator_backward(grad_out, query, key, value, mask, out, lse, *ctx.options)
         dq, dk, dv = grads
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None, None, None, None)
+
+
+def _operator_backward(grad_out, query, key, value, mask, out, lse, scale, is_causal,
+                       enable_gqa, dropout_p, seed):
+    """_Attention's backward through the registered operator, on views in qkv's
+    layout: for gradients the native exchange does not take, batched ones under
+    vmap (the operator has vmap's per-sample fallback) or ones whose batch
+    dimensions no single stride walks (reshape copies them)."""
+    batch = query.shape[:-3]
+    b, hq, length = math.prod(batch), query.shape[-3] if query.dim() > 2 else 1, query.shape[-2]
+
+    def to_qkv(t: Tensor) -> Tensor:  # [*batch, H, N, D] or [N, D] -> [B, N, H, D]
+        return t.reshape(b, -1, *t.shape[-2:]).transpose(1, 2)
+
+    if mask is not None:
+        mask = _mask_4d(mask, batch, hq, length, key.shape[-2])
+    grads = torch.ops.qkv.attention_backward(
+        to_qkv(grad_out), to_qkv(query), to_qkv(key), to_qkv(value), to_qkv(out),
+        lse.reshape(b, hq, length), mask, None, None, None, None, scale, is_causal, True, -1, -1,
+        0.0, dropout_p, seed)
+    return tuple(g.transpose(1, 2).reshape(t.shape) for g, t in zip(grads, (query, key, value)))
 
 
 def _check_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
@@ -168,14 +189,20 @@ def _check_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             _type_error(name, "Tensor", t)
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         _type_error("attn_mask", "Tensor", attn_mask)
-    if type(dropout_p) not in _NUMBERS:
+    if type(dropout_p) not in _NUMBERS and not _scalar_tensor(dropout_p):
         _type_error("dropout_p", "float", dropout_p)
     if type(is_causal) is not bool:
         _type_error("is_causal", "bool", is_causal)
-    if scale is not None and type(scale) not in _NUMBERS:
+    if scale is not None and type(scale) not in _NUMBERS and not _scalar_tensor(scale):
         _type_error("scale", "float", scale)
+
     if type(enable_gqa) is not bool:
         _type_error("enable_gqa", "bool", enable_gqa)
+
+
+def _scalar_tensor(x) -> bool:
+    """A 0-dim real tensor, which PyTorch takes for a float argument."""
+    return isinstance(x, Tensor) and x.dim() == 0 and not x.is_complex()
 
 
 def _causal_bias(bias: CausalBias, length: int, source: int) -> bool:
@@ -232,6 +259,8 @@ def _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     errors, tensors elsewhere than the CPU, causal bias objects, autograd and
     torch.compile (through the registered operator)."""
     _check_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p = float(dropout_p)
+    scale = None if scale is None else float(scale)
     if not (query.is_cpu and key.is_cpu and value.is_cpu):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -265,10 +294,10 @@ def _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     elif hq != hkv:
         _fail(f"query has {hq} heads and key {hkv}; pass enable_gqa=True for grouped-query "
               "attention")
-    if is_causal and attn_mask is not None:
+    if is_causal and attn_mask is not None:  # PyTorch's words, which its tests match
         if causal_bias:
-            _fail("attn_mask: a CausalBias must not be given with is_causal=True")
-        _fail("attn_mask must not be given with is_causal=True")
+            _fail("CausalBias should not be used with causal=True")
+        _fail("Explicit attn_mask should not be set when is_causal=True")
     if not 0.0 <= dropout_p <= 1.0:
         _fail(f"dropout_p: expected a probability in [0, 1], got {dropout_p}")
     if attn_mask is not None and not causal_bias and attn_mask.dtype not in (
@@ -294,10 +323,12 @@ def _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     mask = None
     if attn_mask is not None:
         mask = _mask_4d(attn_mask, batch_shape, hq, length, source)
+    if scale is None and query.shape[-1] == 0:
+        scale = 1.0  # empty dot products score 0 for any scale (sdpa_exchange does the same)
     try:
         out, _ = _ops.attention(to_qkv(query), to_qkv(key), to_qkv(value), mask=mask,
                                 scale=scale, causal=is_causal, top_left=top_left,
-                                dropout_p=float(dropout_p), dropout_seed=seed)
+                                dropout_p=dropout_p, dropout_seed=seed)
     except ValueError as e:
         if isinstance(e, ArgumentError):
             raise

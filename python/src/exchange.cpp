@@ -354,7 +354,10 @@ std::optional<SdpaCall> read_sdpa(nb::handle query, nb::handle key, nb::handle v
   c.k = *kv;
   c.v = *vv;
   AttentionOptions& o = c.options;
-  o.scale = scale;
+  // Without a head dimension every score is an empty sum, 0 for any scale
+  // (PyTorch's result: the mean of the values), where qkv's default
+  // 1/sqrt(E) is undefined.
+  o.scale = !scale && qv->size(3) == 0 ? std::optional<double>(1.0) : scale;
   o.causal = is_causal;
   o.align = Align::top_left;
   o.dropout_p = dropout_p;
@@ -391,7 +394,11 @@ std::pair<nb::object, TensorView> allocate_sdpa(const SdpaCall& c, const DLTenso
   std::int64_t b = 1;
   for (int d = 0; d + 3 < r; ++d) b *= shape[d];
   auto* data = static_cast<std::uint8_t*>(t.data) + t.byte_offset;
-  return {o, TensorView(data, c.q.dtype(), {b, n, h, last}, {h * n * last, last, n * last, 1})};
+  // Row-major strides of [B, H, N, D] taken as if every size were at least 1
+  // (as PyTorch's for an empty tensor): an empty result has distinct strides.
+  const std::int64_t d1 = std::max<std::int64_t>(last, 1), n1 = std::max<std::int64_t>(n, 1);
+  const std::int64_t h1 = std::max<std::int64_t>(h, 1);
+  return {o, TensorView(data, c.q.dtype(), {b, n, h, last}, {h1 * n1 * d1, d1, n1 * d1, 1})};
 }
 
 // The statistics' DLPack dtype for inputs of qkv dtype `d`: float64 for
@@ -423,7 +430,8 @@ nb::object sdpa_exchange(nb::handle query, nb::handle key, nb::handle value, nb:
     const std::int64_t b = c->q.size(0), hq = c->q.size(2), l = c->q.size(1);
     auto* data = static_cast<std::uint8_t*>(t.data) + t.byte_offset;
     outputs.lse = TensorView(data, c->q.dtype() == DType::f64 ? DType::f64 : DType::f32, {b, hq, l},
-                             {hq * l, l, 1});
+                             {std::max<std::int64_t>(hq, 1) * std::max<std::int64_t>(l, 1),
+                              std::max<std::int64_t>(l, 1), 1});
   }
   {
     nb::gil_scoped_release release;

@@ -109,7 +109,7 @@ BAD = [
      lambda: qkv.SparsePattern.strided(0)),
     (ValueError, "n: expected a thread count >= 1, got 0", lambda: qkv.set_num_threads(0)),
     (TypeError, "n: expected an int, got float", lambda: qkv.set_num_threads(2.0)),
-    (qkv.ArgumentError, "attn_mask must not be given with is_causal=True",
+    (qkv.ArgumentError, "Explicit attn_mask should not be set when is_causal=True",
      lambda: sdpa(T, T, T, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)),
     (qkv.ArgumentError, "query has 2 heads and key 1; pass enable_gqa=True",
      lambda: sdpa(torch.zeros(1, 2, 2, 4), T, T)),

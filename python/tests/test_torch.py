@@ -169,7 +169,7 @@ def test_causal_bias_objects_match_pytorch(variant, lengths):
         got = sdpa(*args, attn_mask=mask)
         want = F.scaled_dot_product_attention(*args, attn_mask=mask)
     assert (got - want).abs().max().item() < 1e-12
-    with pytest.raises(ValueError, match="is_causal=True"):
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
         sdpa(*args, attn_mask=mask, is_causal=True)
 
 
@@ -234,3 +234,30 @@ def test_gradients_with_batch_dimensions_no_view_merges():
     (F.scaled_dot_product_attention(*args, is_causal=True).transpose(0, 1) * w).sum().backward()
     for mine, theirs in zip(ours, [a.grad for a in args]):
         assert (mine - theirs).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 4, 8), (2, 0, 4, 8), (2, 2, 0, 8), (2, 2, 4, 0)],
+                         ids=["batch", "heads", "queries", "head_dim"])
+def test_empty_dimensions_as_pytorch(shape):
+    """Zero-size inputs give PyTorch's results (E = 0: every score is 0, so the
+    output is the mean of the values), and a 0-dim tensor is a float argument."""
+    q = torch.randn(*shape)
+    k, v = torch.randn(*shape[:2], 5, shape[3]), torch.randn(*shape[:2], 5, 6)
+    for kwargs in ({}, dict(is_causal=True), dict(scale=torch.tensor(0.5),
+                                                  dropout_p=torch.tensor(0.0))):
+        got, want = sdpa(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert got.shape == want.shape and got.is_contiguous()
+        if got.numel():
+            assert (got - want).abs().max().item() <= 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's per-sample loop
+def test_batched_gradients_under_vmap():
+    """gradcheck's check_batched_grad runs the backward under vmap: the batched
+    gradient goes through the registered operator."""
+    args = [torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (3, 5, 5)]
+    mask = torch.rand(3, 5) > 0.3
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, attn_mask=mask), args,
+                                    check_batched_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, is_causal=True), args,
+                                    check_batched_grad=True)
