@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <vector>
 
 #include "cli_error.hpp"
@@ -146,6 +148,52 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// How many of an input's values are NaN and how many infinite, in the dtype
+// the call reads them in.
+struct NonFinite {
+  std::int64_t nan = 0, inf = 0;
+};
+
+// `plus_only` counts +inf alone: a float mask's -inf drops a key, as meant.
+NonFinite count_non_finite(const Tensor& t, bool plus_only = false) {
+  NonFinite n;
+  const auto count = [&](const auto* x) {
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      if (std::isnan(x[i])) {
+        ++n.nan;
+      } else if (std::isinf(x[i]) && (!plus_only || x[i] > 0)) {
+        ++n.inf;
+      }
+    }
+  };
+  if (t.dtype() == DType::f64) {
+    count(t.data<double>());
+  } else if (t.dtype() == DType::f32) {
+    count(t.data<float>());
+  } else if (t.dtype() == DType::bf16 || t.dtype() == DType::f16) {
+    const Tensor wide = to_dtype(t, DType::f32);  // exact
+    count(wide.data<float>());
+  }
+  return n;
+}
+
+// "q (q.npy) holds 3 NaN and 1 inf values, v (v.npy) holds 1 NaN value" for
+// the inputs that hold any; empty when none does.
+std::string non_finite_inputs(
+    const std::vector<std::tuple<std::string, NonFinite, const char*>>& inputs) {
+  std::string text;
+  for (const auto& [name, n, inf_word] : inputs) {
+    if (n.nan + n.inf == 0) continue;
+    std::string counts;
+    if (n.nan > 0) counts = std::to_string(n.nan) + " NaN";
+    if (n.inf > 0)
+      counts += (counts.empty() ? "" : " and ") + std::to_string(n.inf) + " " + inf_word;
+    text += (text.empty() ? "" : ", ") + name + " holds " + counts +
+            (n.nan + n.inf == 1 ? " value" : " values");
+  }
+  return text;
 }
 
 // The option values, checked; the files each output goes to.
@@ -289,6 +337,13 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     const ConstTensorView kv = as_bnhd(k, o.layout, "k (" + o.k + ")");
     const ConstTensorView vv = as_bnhd(v, o.layout, "v (" + o.v + ")");
     Plan plan = plan_of(o, qv.size(2));
+    std::vector<std::tuple<std::string, NonFinite, const char*>> non_finite = {
+        {"q (" + o.q + ")", count_non_finite(q), "inf"},
+        {"k (" + o.k + ")", count_non_finite(k), "inf"},
+        {"v (" + o.v + ")", count_non_finite(v), "inf"}};
+    if (plan.mask.defined()) {
+      non_finite.emplace_back("mask (" + o.mask + ")", count_non_finite(plan.mask, true), "+inf");
+    }
     const std::int64_t b = qv.size(0), nq = qv.size(1), hq = qv.size(2), nk = kv.size(1);
     const std::int64_t dv = vv.size(3);
     const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
@@ -315,6 +370,8 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (dout.defined())
+      non_finite.emplace_back("dout (" + o.dout + ")", count_non_finite(dout), "inf");
 
     std::vector<std::pair<std::string, const Tensor*>> written = {{o.out, &result}};
     if (!o.lse.empty()) written.emplace_back(o.lse, &lse);
@@ -324,6 +381,12 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
     for (const auto& [path, t] : written) save_npy(path, *t);
 
+    // Inputs with NaN or infinities are computed as semantics.md defines, and noted.
+    const std::string noted = non_finite_inputs(non_finite);
+    if (!noted.empty()) {
+      err << "qkv attend: note: " << noted
+          << "; see docs/semantics.md, \"Fully masked rows, NaN and infinities\"\n";
+    }
     std::string options;
     for (const std::string& d : plan.described) options += (options.empty() ? "" : ", ") + d;
     if (o.json) {

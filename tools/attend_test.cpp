@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -180,6 +181,47 @@ TEST_F(Attend, PyTorchLayoutAndBackward) {
   Tensor back(DType::f32, {2, 6, 4, 8});
   copy(transposed(outt), back);
   EXPECT_TRUE(same_bits(back, fwd.out));
+}
+
+// NaN and infinities in the inputs are computed as docs/semantics.md
+// defines them, and one line on stderr names each input that holds any; a
+// float mask's -inf drops a key, as meant, and is not noted.
+TEST_F(Attend, NonFiniteInputsAreComputedAndNoted) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor q = q_, v = v_;
+  q.set({0, 1, 0, 2}, nan);
+  q.set({1, 4, 3, 0}, nan);
+  q.set({1, 0, 2, 7}, -inf);
+  v.set({0, 3, 1, 5}, nan);
+  save_npy(path("q.npy"), q);
+  save_npy(path("v.npy"), v);
+  Tensor mask(DType::f32, {6, 9});
+  for (std::int64_t i = 0; i < mask.numel(); ++i) mask.data<float>()[i] = i % 4 == 0 ? -inf : 0.5f;
+  save_npy(path("mask.npy"), mask);
+  AttentionOptions o;
+  o.mask = mask;
+  o.return_lse = true;
+  const AttentionResult want = attention(q, k_, v, o);
+  ASSERT_EQ(run("-o out.npy --lse lse.npy --mask mask.npy"), 0) << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), want.out));
+  EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), want.lse));
+  EXPECT_EQ(err_.substr(0, err_.find('\n')),
+            "qkv attend: note: q (q.npy) holds 2 NaN and 1 inf values, v (v.npy) holds 1 NaN "
+            "value; see docs/semantics.md, \"Fully masked rows, NaN and infinities\"");
+  EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 2) << err_;  // the note and the summary
+
+  // A NaN and a +inf in the mask, with --json (the note stays on stderr).
+  mask.data<float>()[1] = static_cast<float>(nan);
+  mask.data<float>()[2] = static_cast<float>(inf);
+  save_npy(path("mask.npy"), mask);
+  save_npy(path("q.npy"), q_);
+  save_npy(path("v.npy"), v_);
+  ASSERT_EQ(run("-o out.npy --mask mask.npy --json"), 0) << err_;
+  EXPECT_EQ(err_,
+            "qkv attend: note: mask (mask.npy) holds 1 NaN and 1 +inf values; see "
+            "docs/semantics.md, \"Fully masked rows, NaN and infinities\"\n");
+  EXPECT_EQ(out_.front(), '{') << out_;
 }
 
 TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
