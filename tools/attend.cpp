@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -148,6 +149,35 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// The library names an option by its field (options.dropout_p), the
+// command line by its flag: each reason about an option a flag sets is
+// reworded to name the flag, with the expected and actual values the
+// library gave.
+Error naming_flags(const Error& e) {
+  static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
+      {"options.scale", "--scale"},
+      {"options.window_left", "--window L"},
+      {"options.window_right", "--window R"},
+      {"options.key_lengths", "--key-lengths"},
+      {"options.mask", "--mask"},
+      {"options.alibi_slopes", "--alibi-slopes"},
+      {"options.softcap", "--softcap"},
+      {"options.dropout_p", "--dropout"}};
+  std::vector<std::string> reasons;
+  for (std::string r : e.reasons()) {
+    for (const auto& [field, flag] : kFlags) {
+      // The whole field: followed by ':' or an index, not a longer name.
+      if (r.starts_with(field) && r.size() > field.size() &&
+          (r[field.size()] == ':' || r[field.size()] == '[')) {
+        r = std::string(flag) + r.substr(field.size());
+        break;
+      }
+    }
+    reasons.push_back(std::move(r));
+  }
+  return Error(std::move(reasons));
 }
 
 // How many of an input's values are NaN and how many infinite, in the dtype
@@ -411,7 +441,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     }
     return 0;
   } catch (const Error& e) {
-    return report_error(err, "qkv attend", e);
+    return report_error(err, "qkv attend", naming_flags(e));
   }
 }
 
