@@ -24,9 +24,10 @@ namespace qkv::tools {
 
 namespace {
 
-std::string shape_text(ConstTensorView t) {
+// "[2, 6, 4, 8]"; with the separator ",", the JSON array [2,6,4,8].
+std::string shape_text(ConstTensorView t, const char* separator = ", ") {
   std::string s = "[";
-  for (int d = 0; d < t.rank(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  for (int d = 0; d < t.rank(); ++d) s += (d ? separator : "") + std::to_string(t.size(d));
   return s + "]";
 }
 
@@ -420,8 +421,8 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     std::string options;
     for (const std::string& d : plan.described) options += (options.empty() ? "" : ", ") + d;
     if (o.json) {
-      out << "{\"q\":" << json_string(shape_text(q)) << ",\"k\":" << json_string(shape_text(k))
-          << ",\"v\":" << json_string(shape_text(v)) << ",\"layout\":" << json_string(o.layout)
+      out << "{\"q\":" << shape_text(q, ",") << ",\"k\":" << shape_text(k, ",")
+          << ",\"v\":" << shape_text(v, ",") << ",\"layout\":" << json_string(o.layout)
           << ",\"dtype\":" << json_string(std::string(dtype_name(q.dtype())))
           << ",\"options\":" << json_string(options)
           << ",\"backward\":" << (o.dout.empty() ? "false" : "true")
@@ -429,7 +430,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
           << ",\"outputs\":[";
       for (std::size_t i = 0; i < written.size(); ++i) {
         out << (i ? "," : "") << "{\"path\":" << json_string(written[i].first)
-            << ",\"shape\":" << json_string(shape_text(*written[i].second)) << "}";
+            << ",\"shape\":" << shape_text(*written[i].second, ",") << "}";
       }
       out << "]}\n";
     } else {
