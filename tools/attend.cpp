@@ -438,7 +438,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
           << " " << dtype_name(q.dtype()) << " " << o.layout
           << (options.empty() ? "" : ", " + options) << (o.dout.empty() ? "" : ", backward")
           << " -> " << o.out << " " << shape_text(result) << " in " << ms << " ms on "
-          << omp_get_max_threads() << " threads\n";
+          << omp_get_max_threads() << (omp_get_max_threads() == 1 ? " thread\n" : " threads\n");
     }
     return 0;
   } catch (const Error& e) {

@@ -100,6 +100,11 @@ TEST_F(Attend, OutputsEqualTheLibrarysBitForBit) {
   EXPECT_TRUE(same_bits(load_npy(path("p.npy")), want.probs));
   EXPECT_NE(err_.find("qkv attend: q [2, 6, 4, 8]"), std::string::npos) << err_;
   EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 1) << err_;
+  // The thread count, in the singular for one.
+  ASSERT_EQ(run("-o out1.npy --threads 1"), 0) << err_;
+  EXPECT_TRUE(err_.ends_with(" ms on 1 thread\n")) << err_;
+  ASSERT_EQ(run("-o out2.npy --threads 2"), 0) << err_;
+  EXPECT_TRUE(err_.ends_with(" ms on 2 threads\n")) << err_;
 
   // Key lengths from a text file, the same result.
   std::ofstream(path("lengths.txt")) << "9\n5\n";
