@@ -13,6 +13,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_checks.hpp"
@@ -623,6 +624,56 @@ TEST(Regression, NonFiniteCachedKeysMatchTheReference) {
       qkv::decode_attention(random_tensor(DType::f32, {1, 1, 1, 4}, 5), cache, o);
   EXPECT_TRUE(std::isnan(r.lse.get({0, 0, 0})));
   for (std::int64_t c = 0; c < 4; ++c) EXPECT_TRUE(std::isnan(r.out.get({0, 0, 0, c}))) << c;
+}
+
+// Found by an independent check (UBSan, the asan preset): a dimension that
+// is never stepped, in an empty view or of size 1, may have any stride
+// (validation bounds only the extents of views with elements), yet the
+// fused forward and backward turned the row and element strides of q, k and
+// v into byte steps up front (PrepareQueries, PackRows), overflowing int64
+// for strides of 2^62.
+TEST(Regression, StridesThatAreNeverSteppedDoNotOverflow) {
+  constexpr std::int64_t kHuge = std::int64_t{1} << 62;
+  const auto gradients = [](ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                            Backend backend) {
+    AttentionOptions o;
+    o.backend = backend;
+    o.return_lse = true;
+    o.scale = 1.0;  // the default 1/sqrt(Dk) needs Dk >= 1
+    const qkv::AttentionResult r = qkv::attention(q, k, v, o);
+    const Tensor dout = random_tensor(DType::f32, {q.size(0), q.size(1), q.size(2), v.size(3)}, 6);
+    return std::pair{r, qkv::attention_backward(q, k, v, r.out, dout, r.lse, o)};
+  };
+  // No query heads: q is empty, without memory (its second dimension has a
+  // valid extent, 2^62 elements). With head dim 0, k is empty too.
+  const ConstTensorView no_heads(nullptr, DType::f32, {1, 2, 0, 4}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView no_dims(nullptr, DType::f32, {1, 2, 0, 0}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView empty_keys(nullptr, DType::f32, {1, 2, 1, 0}, {kHuge, kHuge, kHuge, kHuge});
+  const Tensor k = random_tensor(DType::f32, {1, 5, 1, 4}, 1);
+  const Tensor v = random_tensor(DType::f32, {1, 5, 1, 4}, 2);
+  for (const Backend b : {Backend::fast, Backend::reference}) {
+    for (const auto& [q, k_view, v_view] :
+         {std::tuple<ConstTensorView, ConstTensorView, ConstTensorView>{no_heads, k, v},
+          {no_dims, empty_keys, v.view().slice(1, 0, 2)}}) {
+      const auto [r, g] = gradients(q, k_view, v_view, b);
+      EXPECT_EQ(r.out.numel(), 0);
+      EXPECT_EQ(qkv::test::max_abs(g.dk), 0.0);
+      EXPECT_EQ(qkv::test::max_abs(g.dv), 0.0);
+    }
+  }
+  // One query, key and head, D = 1: every dimension but the stepped one (the
+  // keys' rows, the values' elements) has a stride of 2^62.
+  const float q1[] = {0.5f}, k2[] = {0.25f, -1.0f}, v3[] = {1.0f, 2.0f, 3.0f};
+  const ConstTensorView q(q1, DType::f32, {1, 1, 1, 1}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView k_rows(k2, DType::f32, {1, 2, 1, 1}, {kHuge, 1, kHuge, kHuge});
+  const ConstTensorView v_rows(v3, DType::f32, {1, 2, 1, 1}, {kHuge, 2, kHuge, kHuge});
+  const auto [fast, fast_g] = gradients(q, k_rows, v_rows, Backend::fast);
+  const auto [ref, ref_g] = gradients(q, k_rows, v_rows, Backend::reference);
+  EXPECT_LE(max_abs_diff(fast.out, ref.out), 1e-6);
+  EXPECT_LE(max_abs_diff(fast.lse, ref.lse), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dq, ref_g.dq), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dk, ref_g.dk), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dv, ref_g.dv), 1e-6);
 }
 
 }  // namespace
