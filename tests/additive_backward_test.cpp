@@ -279,6 +279,81 @@ TEST(AdditiveBackward, SixteenBitInputs) {
   }
 }
 
+// With one key a row's weight is exactly 1, so dv sums dout over the rows
+// that see the key. The backward's own weights (key_lengths the one mask)
+// were exp(s - lse) of its own scores s and the forward's lse: it added the
+// bias to the query projection where the forward adds it to the key
+// projection, and its projections are other GEMMs than the forward's, so s
+// came out a rounding off the forward's. An independent float64 check found
+// dv = 0.99999994 dout in the first case below; 8 of the 20 problems of the
+// second and the third failed too.
+TEST(AdditiveBackward, OneKeyHasWeightExactlyOne) {
+  const float q[] = {-0.47677574f}, k[] = {-0.4030177f}, v[] = {0.75f}, dout[] = {1.0f};
+  const float w_q[] = {-0.8161681f}, w_k[] = {0.20020105f}, v_a[] = {1.3713632f},
+              bias[] = {-0.62419784f};
+  AttentionOptions o;
+  o.score = qkv::Score::additive;
+  o.additive = {ConstTensorView(w_q, {1, 1}), ConstTensorView(w_k, {1, 1}),
+                ConstTensorView(v_a, {1}), ConstTensorView(bias, {1})};
+  o.return_lse = true;
+  o.backend = qkv::Backend::fast;
+  const ConstTensorView q1(q, {1, 1, 1, 1}), k1(k, {1, 1, 1, 1}), v1(v, {1, 1, 1, 1});
+  const qkv::AttentionResult fwd = qkv::attention(q1, k1, v1, o);
+  const auto g =
+      qkv::attention_backward(q1, k1, v1, fwd.out, ConstTensorView(dout, {1, 1, 1, 1}), fwd.lse, o);
+  EXPECT_EQ(g.dv.get({0, 0, 0, 0}), 1.0);
+  // Wider projections, one query row: dv is dout itself.
+  for (std::uint32_t seed = 0; seed < 20; ++seed) {
+    const Inputs x = make_inputs(1, 1, 1, 1, 1, 31, 8, DType::f32, 1000 + 10 * seed);
+    const Params w(21, 31, 31, DType::f32, 1005 + 10 * seed);
+    AttentionOptions wide = w.options();
+    wide.backend = qkv::Backend::fast;
+    const qkv::AttentionResult f = qkv::attention(x.q, x.k, x.v, wide);
+    const Tensor d = random_tensor(DType::f32, {1, 1, 1, 8}, seed);
+    const auto gw = qkv::attention_backward(x.q, x.k, x.v, f.out, d, f.lse, wide);
+    EXPECT_EQ(max_abs_diff(gw.dv, d), 0.0) << "seed " << seed;
+  }
+  // Grouped heads and rows: the weights of the probabilities pass (taken
+  // with a mask that admits everything) are exactly 1 too, so dv is the same
+  // sum of dout, bit for bit.
+  const Inputs x = make_inputs(2, 15, 1, 2, 1, 31, 31, DType::f32, 7);
+  const Params w(21, 31, 31, DType::f32, 8);
+  AttentionOptions own = w.options();
+  own.backend = qkv::Backend::fast;
+  const qkv::AttentionResult f = qkv::attention(x.q, x.k, x.v, own);
+  const Tensor d = random_tensor(DType::f32, {2, 15, 2, 31}, 9);
+  Tensor all(DType::boolean, {1, 1});
+  all.set({0, 0}, 1.0);
+  AttentionOptions masked = own;
+  masked.mask = all;
+  const auto by_own = qkv::attention_backward(x.q, x.k, x.v, f.out, d, f.lse, own);
+  const auto by_pass = qkv::attention_backward(x.q, x.k, x.v, f.out, d, f.lse, masked);
+  EXPECT_EQ(max_abs_diff(by_own.dv, by_pass.dv), 0.0);
+}
+
+// A piece of a larger call (shard.partial_keys) holds some of each row's
+// keys: its weights are exp(s - lse) with the whole rows' lse, which no
+// normalization over the piece's own keys gives.
+TEST(AdditiveBackward, PieceOfALargerCallUsesTheWholeRowsLse) {
+  const Inputs x = make_inputs(2, 6, 9, 2, 1, 16, 12, DType::f32, 21);
+  const Params w(17, 16, 16, DType::f32, 25);
+  AttentionOptions whole = w.options();
+  whole.backend = qkv::Backend::reference;
+  const qkv::AttentionResult all = qkv::attention(x.q, x.k, x.v, whole);
+  const Tensor dout = random_tensor(DType::f32, {2, 6, 2, 12}, 26);
+  AttentionOptions piece = whole;
+  piece.shard.partial_keys = true;
+  const ConstTensorView k = x.k.view().slice(1, 0, 5), v = x.v.view().slice(1, 0, 5);
+  const auto ref = qkv::attention_backward(x.q, k, v, all.out, dout, all.lse, piece);
+  piece.backend = qkv::Backend::fast;
+  const auto fast = qkv::attention_backward(x.q, k, v, all.out, dout, all.lse, piece);
+  // Of order 1; a piece normalized over its 5 keys alone is off by 0.1 or more.
+  EXPECT_LE(max_abs_diff(fast.dv, ref.dv), 1e-5);
+  EXPECT_LE(max_abs_diff(fast.dk, ref.dk), 1e-5);
+  EXPECT_LE(max_abs_diff(fast.dq, ref.dq), 1e-5);
+  EXPECT_LE(max_abs_diff(fast.d_additive_v, ref.d_additive_v), 1e-4);
+}
+
 // Keys no row admits never reach a gradient, whatever they hold.
 TEST(AdditiveBackward, NonFiniteMaskedKeysGiveFiniteGradients) {
   Inputs x = make_inputs(1, 3, 20, 1, 1, 16, 16, DType::f32, 71);

@@ -5,6 +5,7 @@
 // the fix that names them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_checks.hpp"
@@ -545,6 +547,133 @@ TEST(Regression, SafetensorsShapeOverflowNamesFileAndTensor) {
   const std::string message = error_of([&] { qkv::nn::load_safetensors(path); });
   EXPECT_NE(message.find(path + ": tensor \"big\""), std::string::npos) << message;
   std::remove(path.c_str());
+}
+
+// Found by an independent float64 check: a NaN in the newest cached key made
+// the fused decode return out = 0 and lse = -inf. A key block whose last
+// score is NaN leaves the running maximum NaN (the vector maximum returns its
+// second operand when one is NaN), and the merge of the key splits took the
+// maximum of the splits' maxima with std::max, which skips a NaN, so it read
+// the split as empty. A NaN or +inf score makes its row NaN (docs/semantics.md):
+// the bad key first, in the middle, last and at the boundary of two key
+// splits, contiguous and paged caches of every storage dtype, one and two
+// new tokens (the first of two does not see the newest key).
+TEST(Regression, NonFiniteCachedKeysMatchTheReference) {
+  // Non-finite exactly where the reference is (the same value), near it elsewhere.
+  const auto expect_like = [](double got, double want, const std::string& what) {
+    if (std::isfinite(want)) {
+      EXPECT_NEAR(got, want, 1e-5) << what;
+    } else {
+      EXPECT_TRUE(std::isnan(want) ? std::isnan(got) : got == want) << what << ": " << got;
+    }
+  };
+  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (const std::int64_t page : {0, 3}) {
+      // 1100 keys: two splits of 550 (cpu/decode.cpp, kMinSplitKeys = 512).
+      for (const std::int64_t length : {2, 40, 1100}) {
+        std::vector<std::int64_t> positions = {0, length / 2, length - 2, length - 1};
+        if (length == 1100) positions.insert(positions.end(), {549, 550});
+        std::sort(positions.begin(), positions.end());
+        positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+        for (const std::int64_t bad : positions) {
+          for (const double value : {kNaN, kInf}) {
+            Tensor k = random_tensor(DType::f32, {1, length, 1, 4}, 7);
+            const Tensor v = random_tensor(DType::f32, {1, length, 1, 4}, 8);
+            k.set({0, bad, 0, 1}, value);
+            qkv::KvCache cache({1, 1, 4, 4, length, dtype, page, 0});
+            cache.append(k, v);
+            for (const auto& [n, window] : {std::pair{1, -1}, {2, -1}, {1, 0}, {2, 0}}) {
+              const std::string label = std::string(qkv::dtype_name(dtype)) + " page " +
+                                        std::to_string(page) + " length " + std::to_string(length) +
+                                        " bad key " + std::to_string(bad) + " " +
+                                        std::to_string(value) + " n " + std::to_string(n) +
+                                        " window " + std::to_string(window);
+              const Tensor q = random_tensor(DType::f32, {1, n, 2, 4}, 9);
+              AttentionOptions o;
+              o.window_left = window;
+              o.return_lse = true;
+              o.backend = Backend::fast;
+              const qkv::AttentionResult fast = qkv::decode_attention(q, cache, o);
+              o.backend = Backend::reference;
+              const qkv::AttentionResult ref = qkv::decode_attention(q, cache, o);
+              for (std::int64_t h = 0; h < 2; ++h) {
+                for (std::int64_t t = 0; t < n; ++t) {
+                  const std::string row =
+                      label + ", head " + std::to_string(h) + " row " + std::to_string(t);
+                  expect_like(fast.lse.get({0, h, t}), ref.lse.get({0, h, t}), row + " lse");
+                  for (std::int64_t c = 0; c < 4; ++c) {
+                    expect_like(fast.out.get({0, t, h, c}), ref.out.get({0, t, h, c}), row);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // The case as found: B = 1, one KV head, Dk = 4, the second of two keys NaN.
+  Tensor k = random_tensor(DType::f32, {1, 2, 1, 4}, 3);
+  k.set({0, 1, 0, 2}, kNaN);
+  qkv::KvCache cache({1, 1, 4, 4, 2, DType::f32, 0, 0});
+  cache.append(k, random_tensor(DType::f32, {1, 2, 1, 4}, 4));
+  AttentionOptions o;
+  o.return_lse = true;
+  o.backend = Backend::fast;
+  const qkv::AttentionResult r =
+      qkv::decode_attention(random_tensor(DType::f32, {1, 1, 1, 4}, 5), cache, o);
+  EXPECT_TRUE(std::isnan(r.lse.get({0, 0, 0})));
+  for (std::int64_t c = 0; c < 4; ++c) EXPECT_TRUE(std::isnan(r.out.get({0, 0, 0, c}))) << c;
+}
+
+// Found by an independent check (UBSan, the asan preset): a dimension that
+// is never stepped, in an empty view or of size 1, may have any stride
+// (validation bounds only the extents of views with elements), yet the
+// fused forward and backward turned the row and element strides of q, k and
+// v into byte steps up front (PrepareQueries, PackRows), overflowing int64
+// for strides of 2^62.
+TEST(Regression, StridesThatAreNeverSteppedDoNotOverflow) {
+  constexpr std::int64_t kHuge = std::int64_t{1} << 62;
+  const auto gradients = [](ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                            Backend backend) {
+    AttentionOptions o;
+    o.backend = backend;
+    o.return_lse = true;
+    o.scale = 1.0;  // the default 1/sqrt(Dk) needs Dk >= 1
+    const qkv::AttentionResult r = qkv::attention(q, k, v, o);
+    const Tensor dout = random_tensor(DType::f32, {q.size(0), q.size(1), q.size(2), v.size(3)}, 6);
+    return std::pair{r, qkv::attention_backward(q, k, v, r.out, dout, r.lse, o)};
+  };
+  // No query heads: q is empty, without memory (its second dimension has a
+  // valid extent, 2^62 elements). With head dim 0, k is empty too.
+  const ConstTensorView no_heads(nullptr, DType::f32, {1, 2, 0, 4}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView no_dims(nullptr, DType::f32, {1, 2, 0, 0}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView empty_keys(nullptr, DType::f32, {1, 2, 1, 0}, {kHuge, kHuge, kHuge, kHuge});
+  const Tensor k = random_tensor(DType::f32, {1, 5, 1, 4}, 1);
+  const Tensor v = random_tensor(DType::f32, {1, 5, 1, 4}, 2);
+  for (const Backend b : {Backend::fast, Backend::reference}) {
+    for (const auto& [q, k_view, v_view] :
+         {std::tuple<ConstTensorView, ConstTensorView, ConstTensorView>{no_heads, k, v},
+          {no_dims, empty_keys, v.view().slice(1, 0, 2)}}) {
+      const auto [r, g] = gradients(q, k_view, v_view, b);
+      EXPECT_EQ(r.out.numel(), 0);
+      EXPECT_EQ(qkv::test::max_abs(g.dk), 0.0);
+      EXPECT_EQ(qkv::test::max_abs(g.dv), 0.0);
+    }
+  }
+  // One query, key and head, D = 1: every dimension but the stepped one (the
+  // keys' rows, the values' elements) has a stride of 2^62.
+  const float q1[] = {0.5f}, k2[] = {0.25f, -1.0f}, v3[] = {1.0f, 2.0f, 3.0f};
+  const ConstTensorView q(q1, DType::f32, {1, 1, 1, 1}, {kHuge, kHuge, kHuge, kHuge});
+  const ConstTensorView k_rows(k2, DType::f32, {1, 2, 1, 1}, {kHuge, 1, kHuge, kHuge});
+  const ConstTensorView v_rows(v3, DType::f32, {1, 2, 1, 1}, {kHuge, 2, kHuge, kHuge});
+  const auto [fast, fast_g] = gradients(q, k_rows, v_rows, Backend::fast);
+  const auto [ref, ref_g] = gradients(q, k_rows, v_rows, Backend::reference);
+  EXPECT_LE(max_abs_diff(fast.out, ref.out), 1e-6);
+  EXPECT_LE(max_abs_diff(fast.lse, ref.lse), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dq, ref_g.dq), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dk, ref_g.dk), 1e-6);
+  EXPECT_LE(max_abs_diff(fast_g.dv, ref_g.dv), 1e-6);
 }
 
 }  // namespace

@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "cli_error.hpp"
@@ -21,9 +24,10 @@ namespace qkv::tools {
 
 namespace {
 
-std::string shape_text(ConstTensorView t) {
+// "[2, 6, 4, 8]"; with the separator ",", the JSON array [2,6,4,8].
+std::string shape_text(ConstTensorView t, const char* separator = ", ") {
   std::string s = "[";
-  for (int d = 0; d < t.rank(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  for (int d = 0; d < t.rank(); ++d) s += (d ? separator : "") + std::to_string(t.size(d));
   return s + "]";
 }
 
@@ -146,6 +150,81 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// The library names an option by its field (options.dropout_p), the
+// command line by its flag: each reason about an option a flag sets is
+// reworded to name the flag, with the expected and actual values the
+// library gave.
+Error naming_flags(const Error& e) {
+  static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
+      {"options.scale", "--scale"},
+      {"options.window_left", "--window L"},
+      {"options.window_right", "--window R"},
+      {"options.key_lengths", "--key-lengths"},
+      {"options.mask", "--mask"},
+      {"options.alibi_slopes", "--alibi-slopes"},
+      {"options.softcap", "--softcap"},
+      {"options.dropout_p", "--dropout"}};
+  std::vector<std::string> reasons;
+  for (std::string r : e.reasons()) {
+    for (const auto& [field, flag] : kFlags) {
+      // The whole field: followed by ':' or an index, not a longer name.
+      if (r.starts_with(field) && r.size() > field.size() &&
+          (r[field.size()] == ':' || r[field.size()] == '[')) {
+        r = std::string(flag) + r.substr(field.size());
+        break;
+      }
+    }
+    reasons.push_back(std::move(r));
+  }
+  return Error(std::move(reasons));
+}
+
+// How many of an input's values are NaN and how many infinite, in the dtype
+// the call reads them in.
+struct NonFinite {
+  std::int64_t nan = 0, inf = 0;
+};
+
+// `plus_only` counts +inf alone: a float mask's -inf drops a key, as meant.
+NonFinite count_non_finite(const Tensor& t, bool plus_only = false) {
+  NonFinite n;
+  const auto count = [&](const auto* x) {
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      if (std::isnan(x[i])) {
+        ++n.nan;
+      } else if (std::isinf(x[i]) && (!plus_only || x[i] > 0)) {
+        ++n.inf;
+      }
+    }
+  };
+  if (t.dtype() == DType::f64) {
+    count(t.data<double>());
+  } else if (t.dtype() == DType::f32) {
+    count(t.data<float>());
+  } else if (t.dtype() == DType::bf16 || t.dtype() == DType::f16) {
+    const Tensor wide = to_dtype(t, DType::f32);  // exact
+    count(wide.data<float>());
+  }
+  return n;
+}
+
+// "q (q.npy) holds 3 NaN and 1 inf values, v (v.npy) holds 1 NaN value" for
+// the inputs that hold any; empty when none does.
+std::string non_finite_inputs(
+    const std::vector<std::tuple<std::string, NonFinite, const char*>>& inputs) {
+  std::string text;
+  for (const auto& [name, n, inf_word] : inputs) {
+    if (n.nan + n.inf == 0) continue;
+    std::string counts;
+    if (n.nan > 0) counts = std::to_string(n.nan) + " NaN";
+    if (n.inf > 0)
+      counts += (counts.empty() ? "" : " and ") + std::to_string(n.inf) + " " + inf_word;
+    text += (text.empty() ? "" : ", ") + name + " holds " + counts +
+            (n.nan + n.inf == 1 ? " value" : " values");
+  }
+  return text;
 }
 
 // The option values, checked; the files each output goes to.
@@ -289,6 +368,13 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     const ConstTensorView kv = as_bnhd(k, o.layout, "k (" + o.k + ")");
     const ConstTensorView vv = as_bnhd(v, o.layout, "v (" + o.v + ")");
     Plan plan = plan_of(o, qv.size(2));
+    std::vector<std::tuple<std::string, NonFinite, const char*>> non_finite = {
+        {"q (" + o.q + ")", count_non_finite(q), "inf"},
+        {"k (" + o.k + ")", count_non_finite(k), "inf"},
+        {"v (" + o.v + ")", count_non_finite(v), "inf"}};
+    if (plan.mask.defined()) {
+      non_finite.emplace_back("mask (" + o.mask + ")", count_non_finite(plan.mask, true), "+inf");
+    }
     const std::int64_t b = qv.size(0), nq = qv.size(1), hq = qv.size(2), nk = kv.size(1);
     const std::int64_t dv = vv.size(3);
     const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
@@ -315,6 +401,8 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (dout.defined())
+      non_finite.emplace_back("dout (" + o.dout + ")", count_non_finite(dout), "inf");
 
     std::vector<std::pair<std::string, const Tensor*>> written = {{o.out, &result}};
     if (!o.lse.empty()) written.emplace_back(o.lse, &lse);
@@ -324,11 +412,17 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
     for (const auto& [path, t] : written) save_npy(path, *t);
 
+    // Inputs with NaN or infinities are computed as semantics.md defines, and noted.
+    const std::string noted = non_finite_inputs(non_finite);
+    if (!noted.empty()) {
+      err << "qkv attend: note: " << noted
+          << "; see docs/semantics.md, \"Fully masked rows, NaN and infinities\"\n";
+    }
     std::string options;
     for (const std::string& d : plan.described) options += (options.empty() ? "" : ", ") + d;
     if (o.json) {
-      out << "{\"q\":" << json_string(shape_text(q)) << ",\"k\":" << json_string(shape_text(k))
-          << ",\"v\":" << json_string(shape_text(v)) << ",\"layout\":" << json_string(o.layout)
+      out << "{\"q\":" << shape_text(q, ",") << ",\"k\":" << shape_text(k, ",")
+          << ",\"v\":" << shape_text(v, ",") << ",\"layout\":" << json_string(o.layout)
           << ",\"dtype\":" << json_string(std::string(dtype_name(q.dtype())))
           << ",\"options\":" << json_string(options)
           << ",\"backward\":" << (o.dout.empty() ? "false" : "true")
@@ -336,7 +430,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
           << ",\"outputs\":[";
       for (std::size_t i = 0; i < written.size(); ++i) {
         out << (i ? "," : "") << "{\"path\":" << json_string(written[i].first)
-            << ",\"shape\":" << json_string(shape_text(*written[i].second)) << "}";
+            << ",\"shape\":" << shape_text(*written[i].second, ",") << "}";
       }
       out << "]}\n";
     } else {
@@ -344,11 +438,11 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
           << " " << dtype_name(q.dtype()) << " " << o.layout
           << (options.empty() ? "" : ", " + options) << (o.dout.empty() ? "" : ", backward")
           << " -> " << o.out << " " << shape_text(result) << " in " << ms << " ms on "
-          << omp_get_max_threads() << " threads\n";
+          << omp_get_max_threads() << (omp_get_max_threads() == 1 ? " thread\n" : " threads\n");
     }
     return 0;
   } catch (const Error& e) {
-    return report_error(err, "qkv attend", e);
+    return report_error(err, "qkv attend", naming_flags(e));
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -99,6 +100,11 @@ TEST_F(Attend, OutputsEqualTheLibrarysBitForBit) {
   EXPECT_TRUE(same_bits(load_npy(path("p.npy")), want.probs));
   EXPECT_NE(err_.find("qkv attend: q [2, 6, 4, 8]"), std::string::npos) << err_;
   EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 1) << err_;
+  // The thread count, in the singular for one.
+  ASSERT_EQ(run("-o out1.npy --threads 1"), 0) << err_;
+  EXPECT_TRUE(err_.ends_with(" ms on 1 thread\n")) << err_;
+  ASSERT_EQ(run("-o out2.npy --threads 2"), 0) << err_;
+  EXPECT_TRUE(err_.ends_with(" ms on 2 threads\n")) << err_;
 
   // Key lengths from a text file, the same result.
   std::ofstream(path("lengths.txt")) << "9\n5\n";
@@ -137,7 +143,10 @@ TEST_F(Attend, MasksBiasesDropoutDtypeAndBackend) {
   EXPECT_EQ(got.dtype(), DType::bf16);
   EXPECT_TRUE(same_bits(got, attention(qb, kb, vb, paper).out));
   EXPECT_NE(out_.find("\"options\":\"dot scores, ALiBi\""), std::string::npos) << out_;
-  EXPECT_NE(out_.find("\"outputs\":[{\"path\":\"out.npy\",\"shape\":\"[2, 6, 4, 8]\"}]"),
+  // Shapes are arrays of integers.
+  EXPECT_EQ(out_.find("{\"q\":[2,6,4,8],\"k\":[2,9,2,8],\"v\":[2,9,2,8],\"layout\":\"bnhd\""), 0u)
+      << out_;
+  EXPECT_NE(out_.find("\"outputs\":[{\"path\":\"out.npy\",\"shape\":[2,6,4,8]}]"),
             std::string::npos)
       << out_;
 }
@@ -182,6 +191,47 @@ TEST_F(Attend, PyTorchLayoutAndBackward) {
   EXPECT_TRUE(same_bits(back, fwd.out));
 }
 
+// NaN and infinities in the inputs are computed as docs/semantics.md
+// defines them, and one line on stderr names each input that holds any; a
+// float mask's -inf drops a key, as meant, and is not noted.
+TEST_F(Attend, NonFiniteInputsAreComputedAndNoted) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor q = q_, v = v_;
+  q.set({0, 1, 0, 2}, nan);
+  q.set({1, 4, 3, 0}, nan);
+  q.set({1, 0, 2, 7}, -inf);
+  v.set({0, 3, 1, 5}, nan);
+  save_npy(path("q.npy"), q);
+  save_npy(path("v.npy"), v);
+  Tensor mask(DType::f32, {6, 9});
+  for (std::int64_t i = 0; i < mask.numel(); ++i) mask.data<float>()[i] = i % 4 == 0 ? -inf : 0.5f;
+  save_npy(path("mask.npy"), mask);
+  AttentionOptions o;
+  o.mask = mask;
+  o.return_lse = true;
+  const AttentionResult want = attention(q, k_, v, o);
+  ASSERT_EQ(run("-o out.npy --lse lse.npy --mask mask.npy"), 0) << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), want.out));
+  EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), want.lse));
+  EXPECT_EQ(err_.substr(0, err_.find('\n')),
+            "qkv attend: note: q (q.npy) holds 2 NaN and 1 inf values, v (v.npy) holds 1 NaN "
+            "value; see docs/semantics.md, \"Fully masked rows, NaN and infinities\"");
+  EXPECT_EQ(std::count(err_.begin(), err_.end(), '\n'), 2) << err_;  // the note and the summary
+
+  // A NaN and a +inf in the mask, with --json (the note stays on stderr).
+  mask.data<float>()[1] = static_cast<float>(nan);
+  mask.data<float>()[2] = static_cast<float>(inf);
+  save_npy(path("mask.npy"), mask);
+  save_npy(path("q.npy"), q_);
+  save_npy(path("v.npy"), v_);
+  ASSERT_EQ(run("-o out.npy --mask mask.npy --json"), 0) << err_;
+  EXPECT_EQ(err_,
+            "qkv attend: note: mask (mask.npy) holds 1 NaN and 1 +inf values; see "
+            "docs/semantics.md, \"Fully masked rows, NaN and infinities\"\n");
+  EXPECT_EQ(out_.front(), '{') << out_;
+}
+
 TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
   std::ofstream(path("existing.npy")) << "old contents";
   struct Case {
@@ -190,7 +240,8 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
   const std::vector<Case> cases = {
       {"-o out.npy --window 3", "--window: expected L,R"},
       {"-o out.npy --window 3,x", "--window: expected an integer, got 'x'"},
-      {"-o out.npy --key-lengths 9,5,1", "key_lengths"},
+      {"-o out.npy --key-lengths 9,5,1",
+       "--key-lengths: expected one length per sequence (2), got 3"},
       {"-o out.npy --key-lengths missing.txt", "--key-lengths: cannot read 'missing.txt'"},
       {"-o out.npy --mask missing.npy", "missing.npy: cannot open the file for reading"},
       {"-o out.npy --score additive", "--score: expected scaled or dot"},
@@ -198,14 +249,18 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
       {"-o out.npy --layout nhd", "--layout: expected bnhd or bhnd"},
       {"-o out.npy --dtype f8", "--dtype: expected f32, bf16, f16 or f64"},
       {"-o out.npy --backend gpu", "--backend: expected automatic, fast or reference"},
-      {"-o out.npy --dropout 1.5", "dropout_p"},
+      // The library's reasons about options name the flag that set them.
+      {"-o out.npy --dropout 1.5",
+       "qkv attend: error: --dropout: expected a probability in [0, 1), got 1.5"},
+      {"-o out.npy --window -2,0", "--window L: expected -1 (unbounded) or a size >= 0, got -2"},
+      {"-o out.npy --softcap -1", "--softcap: expected 0 (off) or a value in [2^-126, 2^126]"},
       {"-o out.npy --softcap x", "--softcap"},
       {"-o out.npy --alibi --alibi-slopes q.npy", "expected one of them, got both"},
       {"-o out.npy --dq dq.npy", "expected --backward DOUT with them"},
       {"-o out.npy --lse out.npy", "is also another output"},
       {"-o q.npy", "is also an input"},
       {"-o nowhere/out.npy", "cannot write into folder 'nowhere/'"},
-      {"-o existing.npy --key-lengths 99,1", "key_lengths"},
+      {"-o existing.npy --key-lengths 99,1", "--key-lengths[0]: expected a length in [0, 9]"},
       {"-o existing.npy --backward k.npy --dq dq.npy", "dout"},
       {"--causal", "--out is required"},
   };

@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <limits>
+#include <string>
+#include <utility>
 
 #include "attend.hpp"
 #include "bench.hpp"
@@ -186,7 +188,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    // One line, naming the subcommand when there is one.
+    // One line, naming the subcommand when there is one, or the word that
+    // was given in its place.
+    std::string commands;
+    bool known = false;
+    for (const CLI::App* sub : std::as_const(app).get_subcommands({})) {
+      commands += (commands.empty() ? "" : ", ") + sub->get_name();
+      known = known || (argc > 1 && sub->get_name() == argv[1]);
+    }
+    if (argc > 1 && argv[1][0] != '-' && !known) {
+      std::cerr << "qkv: error: unknown command '" << argv[1] << "'; expected one of: " << commands
+                << "\n";
+      return 2;
+    }
     std::string where = "qkv";
     for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
     std::cerr << where << ": error: " << e.what() << "\n";

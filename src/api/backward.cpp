@@ -50,16 +50,15 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
 // bias applied (the caller's lse as the row maximum, 1 as the row sum, as
 // the fused backward recomputes P from lse), and cpu::additive_backward
 // differentiates the score. A call whose one mask is key_lengths skips the
-// probabilities pass: the kernel computes P from its own projections and
-// lse (one key projection fewer). Returns whether every gradient it wrote is
-// finite.
+// probabilities pass: the kernel computes P from its own projections,
+// normalized by its own lse (one key projection fewer). Returns whether
+// every gradient it wrote is finite.
 bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                        ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                        ConstTensorView lse, const GradientOutputs& grads,
                        const AttentionOptions& o) {
   if (cpu::additive_own_weights(o)) {
-    const Tensor lse32 = to_dtype(lse, DType::f32);
-    return cpu::additive_backward(p, o, q, k, v, out, dout, {}, lse32, grads);
+    return cpu::additive_backward(p, o, q, k, v, out, dout, {}, grads);
   }
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
@@ -70,7 +69,7 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
   plan.row_max = row_max;
   plan.row_sum = row_sum;
   cpu::flash_probabilities(plan);
-  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, {}, grads);
+  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
 }
 
 // Runs a validated call on the backend the options choose: the fused
@@ -90,7 +89,7 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
   Tensor forward_out, forward_lse;
   if (!out.defined()) {
     if (fast && additive && cpu::additive_own_weights(o)) {
-      if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, {}, grads)) return;
+      if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, grads)) return;
       tried_fast = true;
     }
     forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});

@@ -9,7 +9,13 @@
 //   out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,   M = max_s m_s,
 //   lse = M + log(sum_s e^(m_s - M) l_s),
 // with out = 0 and lse = -inf when every part is empty (m_s = -inf), as
-// for a row with no admitted key. Parts are added in index order.
+// for a row with no admitted key. A part whose m_s or l_s is NaN met a NaN
+// score (or +inf - +inf): the merged row is NaN, out and lse, whatever the
+// other parts hold (semantics.md, "Fully masked rows, NaN and infinities").
+// Its m_s alone does not show it: a running maximum may skip a NaN score
+// (x86's max returns its second operand when one is NaN), leaving m_s
+// finite, or -inf when every other score of the part is masked, while the
+// NaN reaches l_s through the exponential. Parts are added in index order.
 #pragma once
 
 #include <algorithm>
@@ -32,7 +38,14 @@ template <class Real, class PartAt>
 Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real* out) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   Real top = kNegInf;
-  for (std::int64_t s = 0; s < parts; ++s) top = std::max(top, part(s).m);
+  for (std::int64_t s = 0; s < parts; ++s) {
+    const SoftmaxPart<Real> p = part(s);
+    if (std::isnan(p.m) || std::isnan(p.l)) {
+      std::fill_n(out, dv, std::numeric_limits<Real>::quiet_NaN());
+      return std::numeric_limits<Real>::quiet_NaN();
+    }
+    top = std::max(top, p.m);
+  }
   std::fill_n(out, dv, Real(0));
   Real sum = 0;
   if (top != kNegInf) {

@@ -156,19 +156,18 @@ class Result {
   std::vector<float> scratch_;
 };
 
-// Scores s [keys] into weights in place: p = exp(s - lse) with the given
-// row lse, or, when lse is null, with the row's own lse = m + log(sum_c
-// exp(s_c - m)), m = max_c s_c, as the forward computes it.
-void WeightsFromScores(float* s, std::int64_t keys, const float* lse) {
-  float row_lse = 0.0f;
-  if (lse != nullptr) {
-    row_lse = *lse;
-  } else {
-    const float m = *std::max_element(s, s + keys);
-    float sum = 0.0f;
-    for (std::int64_t c = 0; c < keys; ++c) sum += std::exp(s[c] - m);
-    row_lse = m + std::log(sum);
-  }
+// Scores s [keys] (keys >= 1) into weights in place: p = exp(s - lse) with
+// the row's own lse = m + log(sum_c exp(s_c - m)), m = max_c s_c, as the
+// forward computes it. Not the forward's lse: these scores come from other
+// GEMMs than the forward's (over all rows of Q and K, not one unit's), whose
+// sums may round apart in the last bit, and against the forward's lse such
+// scores give a row's only key a weight an ulp or more off 1. Against their
+// own, it weighs exactly 1, and a row's weights sum to 1 but for rounding.
+void WeightsFromScores(float* s, std::int64_t keys) {
+  const float m = *std::max_element(s, s + keys);
+  float sum = 0.0f;
+  for (std::int64_t c = 0; c < keys; ++c) sum += std::exp(s[c] - m);
+  const float row_lse = m + std::log(sum);
   for (std::int64_t c = 0; c < keys; ++c) s[c] = std::exp(s[c] - row_lse);
 }
 
@@ -182,20 +181,18 @@ bool additive_own_weights(const AttentionOptions& o) {
   return !o.causal && o.window_left < 0 && o.window_right < 0 && o.cu_seqlens_q.empty() &&
          o.cu_seqlens_k.empty() && !o.mask.defined() && o.alibi_slopes.empty() &&
          !o.relative_bias.table.defined() && o.softcap == 0.0 && !o.score_mod && !o.mask_mod &&
-         !o.sparse.defined() && o.dropout_p == 0.0;
+         !o.sparse.defined() && o.dropout_p == 0.0 && !o.shard.partial_keys;
 }
 
 bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions& o,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
-                       ConstTensorView dout, ConstTensorView probs, ConstTensorView lse,
-                       const GradientOutputs& grads) {
+                       ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {
   const std::int64_t A = p.attention_size, a_pad = (A + 15) / 16 * 16;
   const std::int64_t rows_q = p.batch * p.nq * p.hq;             // rows of q, out, dout
   const std::int64_t rows_k = p.batch * p.nk * p.hkv;            // rows of k, v
   Floats qs(q), ks(k);                                           // [rows_q][Dq], [rows_k][Dk]
   const Floats vs(v), outs(out), douts(dout);                    // [rows_k][Dv], [rows_q][Dv] x 2
   const Floats ps(probs);                                        // [B][Hq][Nq][Nk], or null
-  const Floats lses(probs.defined() ? ConstTensorView() : lse);  // [B][Hq][Nq]
   const Floats w_q(o.additive.w_q), w_k(o.additive.w_k);         // [A][Dq], [A][Dk]
   const Floats v_weight(o.additive.v);                           // [A]
   std::vector<float> v_a(v_weight.data(), v_weight.data() + A);  // [a_pad], zero past A
@@ -203,13 +200,15 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
   const Floats bias(o.additive.bias);  // [A], or null
   const bool with_bias = bias.data() != nullptr;
 
-  // UQ [rows_q][a_pad] = Q W_q^T + bias, UK [rows_k][a_pad] = K W_k^T.
+  // UQ [rows_q][a_pad] = Q W_q^T, UK [rows_k][a_pad] = K W_k^T + bias: the
+  // bias on the keys' side, where the forward adds it, so that tanh's
+  // argument UQ + UK is formed as there.
   std::vector<float> uq(static_cast<std::size_t>(rows_q * a_pad));
   std::vector<float> uk(static_cast<std::size_t>(rows_k * a_pad));
   detail::gemm(DType::f32, false, true, rows_q, A, p.dq, 1.0, qs.data(), p.dq, w_q.data(), p.dq,
-               0.0, uq.data(), a_pad, bias.data());
+               0.0, uq.data(), a_pad);
   detail::gemm(DType::f32, false, true, rows_k, A, p.dk, 1.0, ks.data(), p.dk, w_k.data(), p.dk,
-               0.0, uk.data(), a_pad);
+               0.0, uk.data(), a_pad, bias.data());
 
   // Gradients of UQ, UK and V, and which rows of Q and K they reach.
   std::vector<float> duq(uq.size()), duk(uk.size());
@@ -228,7 +227,7 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
     const std::int64_t k_row = (seq.batch * p.nk + seq.k_begin) * p.hkv + hk;  // key 0's row
     std::vector<float> dp(static_cast<std::size_t>(nq * nk));                  // [nq][nk]
     std::vector<float> ds(static_cast<std::size_t>(nk));  // dS of one query row
-    // Without `probs`, the weights of one head [nq][nk] from UQ, UK and lse.
+    // Without `probs`, the weights of one head [nq][nk] from UQ and UK.
     std::vector<float> own(ps.data() ? 0 : static_cast<std::size_t>(nq * nk));
     for (std::int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
       const std::int64_t q_row = (seq.batch * p.nq + seq.q_begin) * p.hq + h;  // query 0's row
@@ -238,15 +237,12 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
         prob = ps.data() + ((seq.batch * p.hq + h) * p.nq + seq.q_begin) * p.nk + seq.k_begin;
         ld_p = p.nk;
       } else {
-        const float* lse_h = lses.data() == nullptr
-                                 ? nullptr
-                                 : lses.data() + (seq.batch * p.hq + h) * p.nq + seq.q_begin;
         for (std::int64_t i = 0; i < nq; ++i) {
           float* row = own.data() + i * nk;
           HWY_DYNAMIC_DISPATCH(ScoreRow)
           (uq.data() + (q_row + i * p.hq) * a_pad, uk.data() + k_row * a_pad, p.hkv * a_pad, nk,
            v_a.data(), a_pad, row);
-          WeightsFromScores(row, nk, lse_h == nullptr ? nullptr : lse_h + i);
+          WeightsFromScores(row, nk);
         }
       }
       const float* dout_h = douts.data() + q_row * p.dv;

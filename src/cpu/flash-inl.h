@@ -152,11 +152,11 @@ inline void PackRows(ConstTensorView t, const detail::SequenceExtent& seq, std::
                      std::int64_t panel_stride = 0, float* HWY_RESTRICT row = nullptr) {
   const std::int64_t width = t.size(3);
   const std::uint8_t* src = At(t, seq.batch, seq.k_begin + j0, h);
-  const std::int64_t row_bytes = t.stride(1) * ElementBytes(t.dtype());
+  const std::int64_t row_bytes = StepBytes(t, 1);
   // In [B, N, H, D] layouts consecutive keys are H * D elements apart, often
   // a page or more, where hardware prefetchers stop: fetch rows ahead.
-  const std::int64_t line_span = std::min<std::int64_t>(
-      width * t.stride(3) * ElementBytes(t.dtype()), row_bytes > 0 ? row_bytes : 1);
+  const std::int64_t line_span =
+      std::min<std::int64_t>(RowSpanBytes(t, width), row_bytes > 0 ? row_bytes : 1);
   for (std::int64_t r = 0; r < n; ++r) {
     // A view without memory (head dim 0, null data) has rows of nothing:
     // no address may be formed from its null pointer.
@@ -330,8 +330,8 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
   const detail::AttentionProblem& p = *plan.problem;
   const ConstTensorView q = plan.q;
   const std::int64_t rows = g.rows();
-  const std::int64_t row_bytes = q.stride(1) * ElementBytes(q.dtype());
-  const std::int64_t row_span = p.dq * q.stride(3) * ElementBytes(q.dtype());
+  const std::int64_t row_bytes = StepBytes(q, 1);
+  const std::int64_t row_span = RowSpanBytes(q, p.dq);
   // Consecutive positions are H * D elements apart: fetch rows ahead, as
   // PackRows does for keys (not from a view without memory).
   auto prefetch_ahead = [&](std::int64_t r, const std::uint8_t* src) {
@@ -755,10 +755,10 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
   if (a.rows == 0) return;
   a.k = At(plan.k, g.seq.batch, g.seq.k_begin + cache.packed, u.hkv);
   a.v = At(plan.v, g.seq.batch, g.seq.k_begin + cache.packed, u.hkv);
-  a.k_stride = plan.k.stride(1) * ElementBytes(plan.k.dtype());
-  a.v_stride = plan.v.stride(1) * ElementBytes(plan.v.dtype());
-  a.k_span = plan.problem->dk * plan.k.stride(3) * ElementBytes(plan.k.dtype());
-  a.v_span = plan.problem->dv * plan.v.stride(3) * ElementBytes(plan.v.dtype());
+  a.k_stride = StepBytes(plan.k, 1);
+  a.v_stride = StepBytes(plan.v, 1);
+  a.k_span = RowSpanBytes(plan.k, plan.problem->dk);
+  a.v_span = RowSpanBytes(plan.v, plan.problem->dv);
   a.per_call = (a.rows + calls - 1) / std::max<std::int64_t>(calls, 1);
 }
 

@@ -269,6 +269,21 @@ inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1)
 // Bytes per element of the activations' dtypes (f32, or 16-bit).
 inline std::int64_t ElementBytes(DType d) { return d == DType::f32 ? 4 : 2; }
 
+// Bytes between consecutive indices of dimension d of t, and 0 for a
+// dimension that is never stepped: one of at most one index, or any of a
+// view without elements. Validation bounds the byte extent of what a view
+// reaches, not such strides, which may hold anything (2^62 times the
+// element size overflows int64).
+inline std::int64_t StepBytes(ConstTensorView t, int d) {
+  return t.size(d) > 1 && t.numel() > 0 ? t.stride(d) * ElementBytes(t.dtype()) : 0;
+}
+
+// Bytes from the first element of a row of `width` elements of t (along its
+// last dimension) to the end of its last: 0 for an empty row.
+inline std::int64_t RowSpanBytes(ConstTensorView t, std::int64_t width) {
+  return width > 0 ? (width - 1) * StepBytes(t, 3) + ElementBytes(t.dtype()) : 0;
+}
+
 // Row (a, b, c) of a rank-4 view: the address of its first element. An
 // empty view may have null data (no row of it is read); its rows are null.
 inline const std::uint8_t* At(ConstTensorView t, std::int64_t a, std::int64_t b, std::int64_t c) {
