@@ -746,9 +746,11 @@ def flash_attn_with_kvcache(
         seqlens = _int_vector(cache_seqlens, "cache_seqlens", batch)
     lengths = seqlens + seqlen_new
     if batch and (int(seqlens.min()) < 0 or int(lengths.max()) > capacity):
+        holds = (f"the {table.shape[1]} blocks of {page} tokens block_table gives each "
+                 "sequence" if paged else "the cache's capacity")
         raise ArgumentError(
             f"cache_seqlens: each length plus seqlen_new = {seqlen_new} must lie in "
-            f"[0, {capacity}] (the cache's capacity), got {seqlens.tolist()}"
+            f"[0, {capacity}] ({holds}), got {seqlens.tolist()}"
         )
     leftpad = None
     if cache_leftpad is not None:

@@ -742,6 +742,10 @@ def test_bad_arguments(gen):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new)
     with pytest.raises(qkv.ArgumentError, match=r"cache_seqlens: .*capacity"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=4)
+    with pytest.raises(qkv.ArgumentError, match=r"cache_seqlens: .*\(the 1 blocks of 4 tokens "
+                                                r"block_table gives each sequence"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5,
+                                   block_table=torch.tensor([[0]]))
     with pytest.raises(qkv.ArgumentError, match=r"k and v: pass both"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, cache_seqlens=1)
     with pytest.raises(qkv.ArgumentError,
