@@ -132,8 +132,7 @@ const std::vector<Row>& rows() {
          c.options.backend = qkv::Backend::fast;
          c.into = false;
        },
-       {"options.backend: Backend::fast has no backward for Score::additive with dropout, softcap "
-        "or a relative position bias"}},
+       {"options.softcap: not supported by Backend::fast's backward of Score::additive"}},
   };
   return table;
 }

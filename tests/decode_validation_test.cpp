@@ -755,13 +755,15 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
            [](DecodeCall& c) {
              c.options.key_lengths = c.list<std::int64_t>({5, 3});
            },
-           {"options.key_lengths: not supported by decode_attention (the cache's lengths apply)"}},
+           {"options.key_lengths: not supported by decode_attention"}},
           {"cu_seqlens",
            [](DecodeCall& c) {
              c.options.cu_seqlens_q = c.list<std::int64_t>({0, 2});
              c.options.cu_seqlens_k = c.list<std::int64_t>({0, 5});
            },
-           {"options.cu_seqlens_q/k: not supported by decode_attention"}},
+           {"options.cu_seqlens_q: not supported by decode_attention",
+            "options.cu_seqlens_k: not supported by decode_attention"},
+           2},
           {"relative_bias",
            [](DecodeCall& c) {
              c.options.relative_bias.table = c.tensor(DType::f32, {4, 32});
@@ -772,14 +774,14 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
              c.options.score_mod = [](double s, std::int64_t, std::int64_t, std::int64_t,
                                       std::int64_t) { return s; };
            },
-           {"options.score_mod/mask_mod: not supported by decode_attention"}},
+           {"options.score_mod: not supported by decode_attention"}},
           {"mask_mod",
            [](DecodeCall& c) {
              c.options.mask_mod = [](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
                return true;
              };
            },
-           {"options.score_mod/mask_mod: not supported by decode_attention"}},
+           {"options.mask_mod: not supported by decode_attention"}},
           {"sparse",
            [](DecodeCall& c) {
              c.options.sparse = qkv::SparsePattern::window(2, 0) |
@@ -792,15 +794,15 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
            {"options.score: Score::additive is not supported by decode_attention"}},
           {"dropout",
            [](DecodeCall& c) { c.options.dropout_p = 0.1; },
-           {"options.dropout_p: expected 0 (decoding has no dropout), got 0.1"}},
+           {"options.dropout_p: not supported by decode_attention"}},
           {"dropout_out_of_range",
            [](DecodeCall& c) { c.options.dropout_p = -1e-9; },
            {"options.dropout_p: expected a probability in [0, 1), got -1e-09",
-            "options.dropout_p: expected 0 (decoding has no dropout), got -1e-09"},
+            "options.dropout_p: not supported by decode_attention"},
            2},
           {"window_right",
            [](DecodeCall& c) { c.options.window_right = 0; },
-           {"options.window_right: expected -1 (decode queries see no keys after them), got 0"}},
+           {"options.window_right: not supported by decode_attention"}},
           {"window_left",
            [](DecodeCall& c) { c.options.window_left = -2; },
            {"options.window_left: expected -1 (unbounded) or a size >= 0, got -2"}},
@@ -855,7 +857,9 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
             "9"}},
           {"align_out_of_range",
            [](DecodeCall& c) { c.options.align = static_cast<qkv::Align>(5); },
-           {"options.align: expected Align::top_left or Align::bottom_right, got value 5"}},
+           {"options.align: expected Align::top_left or Align::bottom_right, got value 5",
+            "options.align: not supported by decode_attention"},
+           2},
           // outputs
           {"out_sizes",
            [](DecodeCall& c) {

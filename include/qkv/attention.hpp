@@ -127,33 +127,48 @@ struct ShardOffsets {
   bool partial_keys = false;
 };
 
-// Options of qkv::attention. Every field has a default that means "off".
-struct AttentionOptions {
-  Score score = Score::scaled_dot;             // how f(q, k) is computed
-  std::optional<double> scale;                 // Score::scaled_dot only; default 1/sqrt(Dk)
-  AdditiveScore additive;                      // Score::additive only
-  bool causal = false;                         // drop keys after the query's position
-  Align align = Align::bottom_right;           // query positions for causal, window, ALiBi, bias
-  std::int64_t window_left = -1;               // keys at most this far before p_i; -1 = unbounded
-  std::int64_t window_right = -1;              // keys at most this far after p_i; -1 = unbounded
-  std::span<const std::int64_t> key_lengths;   // [B] valid keys per sequence; empty = all
-  std::span<const std::int64_t> cu_seqlens_q;  // [S + 1] packed query offsets; empty = dense
-  std::span<const std::int64_t> cu_seqlens_k;  // [S + 1] packed key offsets; with cu_seqlens_q
-  ConstTensorView mask;  // bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]
-  std::span<const float> alibi_slopes;  // [Hq], or [B * Hq] ([S * Hq] packed); empty = off
-  RelativePositionBias relative_bias;   // learned bias by relative position; off by default
-  double softcap = 0.0;                 // c > 0 applies c * tanh(s / c); 0 = off
-  ScoreMod score_mod;                   // empty = identity
-  MaskMod mask_mod;                     // empty = keep all
-  SparsePattern sparse;                 // sparse attention pattern; undefined = off
+// The options of qkv::attention, one row each: X(type, name, default, doc).
+// Every default means "off". The struct below, the option names, the
+// predicates "is this option on" (its value differs from the default), the
+// capability table of which path takes which option (src/core/capabilities.cpp)
+// and Python's keyword arguments (qkv.attention's **options) all come from
+// these rows, so that a new option is one row plus its semantics
+// (docs/architecture.md, "Adding a feature").
+#define QKV_ATTENTION_OPTIONS(X)                                                                  \
+  X(Score, score, Score::scaled_dot, "how f(q, k) is computed")                                   \
+  X(std::optional<double>, scale, std::nullopt, "Score::scaled_dot only; default 1/sqrt(Dk)")     \
+  X(AdditiveScore, additive, {}, "Score::additive only: its parameters")                          \
+  X(bool, causal, false, "drop keys after the query's position")                                  \
+  X(Align, align, Align::bottom_right, "query positions for causal, window, ALiBi, bias")         \
+  X(std::int64_t, window_left, -1, "keys at most this far before p_i; -1 = unbounded")            \
+  X(std::int64_t, window_right, -1, "keys at most this far after p_i; -1 = unbounded")            \
+  X(std::span<const std::int64_t>, key_lengths, {}, "[B] valid keys per sequence; empty = all")   \
+  X(std::span<const std::int64_t>, cu_seqlens_q, {},                                              \
+    "[S + 1] packed query offsets; empty = dense")                                                \
+  X(std::span<const std::int64_t>, cu_seqlens_k, {},                                              \
+    "[S + 1] packed key offsets; with cu_seqlens_q")                                              \
+  X(ConstTensorView, mask, {},                                                                    \
+    "bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]")                        \
+  X(std::span<const float>, alibi_slopes, {}, "[Hq], or [B * Hq] ([S * Hq] packed); empty = off") \
+  X(RelativePositionBias, relative_bias, {}, "learned bias by relative position; off")            \
+  X(double, softcap, 0.0, "c > 0 applies c * tanh(s / c); 0 = off")                               \
+  X(ScoreMod, score_mod, {}, "score_mod(s, b, h, i, j) -> new score; empty = identity")           \
+  X(MaskMod, mask_mod, {}, "mask_mod(b, h, i, j) -> keep?; empty = keep all")                     \
+  X(SparsePattern, sparse, {}, "sparse attention pattern (qkv/sparse.hpp); undefined = off")      \
+  X(double, dropout_p, 0.0, "probability of zeroing a weight; 0 = off, < 1")                      \
+  X(std::uint64_t, dropout_seed, 0, "key of the dropout generator")                               \
+  X(std::uint32_t, dropout_offset, 0, "counter offset: use a new one per call and layer")         \
+  X(ShardOffsets, shard, {}, "the call as a piece of a larger one; all 0 = whole")                \
+  X(Backend, backend, Backend::automatic, "which implementation runs")                            \
+  X(bool, return_lse, false, "allocating overload: also return lse")                              \
+  X(bool, return_probs, false, "allocating overload: also return probs (B*Hq*Nq*Nk values)")
 
-  double dropout_p = 0.0;                // probability of zeroing a weight; 0 = off, < 1
-  std::uint64_t dropout_seed = 0;        // key of the dropout generator
-  std::uint32_t dropout_offset = 0;      // counter offset: use a new one per call and layer
-  ShardOffsets shard;                    // the call as a piece of a larger one; 0 = whole
-  Backend backend = Backend::automatic;  // which implementation runs
-  bool return_lse = false;               // allocating overload: also return lse
-  bool return_probs = false;  // allocating overload: also return probs (B*Hq*Nq*Nk values)
+// Options of qkv::attention (the rows above). Every field has a default
+// that means "off".
+struct AttentionOptions {
+#define QKV_OPTION_FIELD(type, name, init, doc) type name = init;
+  QKV_ATTENTION_OPTIONS(QKV_OPTION_FIELD)
+#undef QKV_OPTION_FIELD
 };
 
 // Result of the allocating overload; lse and probs are undefined unless asked.

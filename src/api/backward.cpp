@@ -3,6 +3,7 @@
 
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
+#include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
@@ -57,7 +58,7 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
                        ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                        ConstTensorView lse, const GradientOutputs& grads,
                        const AttentionOptions& o) {
-  if (cpu::additive_own_weights(o)) {
+  if (detail::supports_all(detail::Path::additive_own_weights, o)) {
     return cpu::additive_backward(p, o, q, k, v, out, dout, {}, grads);
   }
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
@@ -83,12 +84,12 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
   const bool additive = o.score == Score::additive;
-  const bool fast =
-      detail::use_fast_kernels(o, p.dtype, !additive || cpu::additive_backward_supports(o));
+  const bool fast = detail::use_fast_kernels(
+      o, p.dtype, !additive || detail::supports_all(detail::Path::additive_backward, o));
   bool tried_fast = false;
   Tensor forward_out, forward_lse;
   if (!out.defined()) {
-    if (fast && additive && cpu::additive_own_weights(o)) {
+    if (fast && additive && detail::supports_all(detail::Path::additive_own_weights, o)) {
       if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, grads)) return;
       tried_fast = true;
     }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "api/validate.hpp"
+#include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
@@ -22,22 +23,10 @@ using std::to_string;
 // qkv::attention runs on dense tensors.
 constexpr std::int64_t kMaxNewTokens = 16;
 
-// What decode does not take: the options that need dense keys or a backward.
+// What decode does not take: the capability table's refusals, then the
+// values it cannot honour.
 void check_unsupported(const AttentionOptions& o, Reasons& r) {
-  if (o.mask.defined()) r.push_back("options.mask: not supported by decode_attention");
-  if (!o.key_lengths.empty()) {
-    r.push_back(
-        "options.key_lengths: not supported by decode_attention (the cache's lengths apply)");
-  }
-  if (!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty()) {
-    r.push_back("options.cu_seqlens_q/k: not supported by decode_attention");
-  }
-  if (o.relative_bias.table.defined()) {
-    r.push_back("options.relative_bias: not supported by decode_attention");
-  }
-  if (o.score_mod || o.mask_mod) {
-    r.push_back("options.score_mod/mask_mod: not supported by decode_attention");
-  }
+  detail::refuse_unsupported(detail::Path::decode, o, "decode_attention", "", r);
   if (detail::uses_query_rows(o.sparse)) {
     r.push_back(
         "options.sparse: block layouts index query rows, which decode_attention does not have "
@@ -45,19 +34,6 @@ void check_unsupported(const AttentionOptions& o, Reasons& r) {
   }
   if (o.score == Score::additive) {
     r.push_back("options.score: Score::additive is not supported by decode_attention");
-  }
-  if (o.dropout_p != 0.0) {
-    r.push_back("options.dropout_p: expected 0 (decoding has no dropout), got " +
-                detail::num(o.dropout_p));
-  }
-  const ShardOffsets& sh = o.shard;
-  if (sh.position != 0 || sh.row != 0 || sh.key != 0 || sh.head != 0 || sh.heads != 0 ||
-      sh.partial_keys) {
-    r.push_back("options.shard: not supported by decode_attention (expected all zero)");
-  }
-  if (o.window_right >= 0) {
-    r.push_back("options.window_right: expected -1 (decode queries see no keys after them), got " +
-                to_string(o.window_right));
   }
 }
 

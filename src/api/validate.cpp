@@ -7,9 +7,9 @@
 #include <limits>
 #include <string>
 
+#include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/sparse.hpp"
-#include "cpu/additive_backward.hpp"
 
 namespace qkv::detail {
 
@@ -458,17 +458,13 @@ void check_backward_inputs(const AttentionProblem& p, ConstTensorView out, Const
   if (!recompute) check_view("out", out, {.sizes = out_sizes, .dtype = p.dtype}, r);
   check_view("dout", dout, {.sizes = out_sizes, .dtype = p.dtype}, r);
   if (!recompute) check_view("lse", lse, {.sizes = lse_sizes, .dtype = p.stat_dtype}, r);
-  if (o.score_mod) {
-    r.push_back(
-        "options.score_mod: the backward cannot differentiate a score_mod callable (express the "
-        "modification with the built-in biases, softcap or a float mask, or use mask_mod for "
-        "masking)");
-  }
-  if (o.backend == Backend::fast && o.score == Score::additive &&
-      !cpu::additive_backward_supports(o)) {
-    r.push_back(
-        "options.backend: Backend::fast has no backward for Score::additive with dropout, softcap "
-        "or a relative position bias (Backend::automatic runs the reference backward for it)");
+  refuse_unsupported(Path::backward, o, "qkv::attention_backward",
+                     " (it cannot differentiate a callable: express the modification with the "
+                     "built-in biases, softcap or a float mask, or use mask_mod for masking)",
+                     r);
+  if (o.backend == Backend::fast && o.score == Score::additive) {
+    refuse_unsupported(Path::additive_backward, o, "Backend::fast's backward of Score::additive",
+                       " (Backend::automatic runs the reference backward for it)", r);
   }
   throw_if(r);
 }

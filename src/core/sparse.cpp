@@ -9,6 +9,7 @@
 #include <new>
 #include <numeric>
 
+#include "core/capabilities.hpp"
 #include "core/checks.hpp"
 #include "qkv/error.hpp"
 
@@ -508,10 +509,7 @@ void mask_rejected(const SparsePattern& pattern, const PatternTile& tile, float*
 DilatedSplit dilated_split(const AttentionProblem& p, const AttentionOptions& o) {
   const SparseNode* n = o.sparse.node();
   if (n == nullptr || n->kind != Kind::dilated || n->c < 2) return {};
-  const bool positions_free = !p.varlen && p.nq == p.nk && o.key_lengths.empty() &&
-                              !o.mask.defined() && !o.mask_mod && !o.score_mod &&
-                              o.alibi_slopes.empty() && !o.relative_bias.table.defined() &&
-                              o.window_left < 0 && o.window_right < 0 && o.dropout_p == 0.0;
+  const bool positions_free = !p.varlen && p.nq == p.nk && supports_all(Path::dilated_split, o);
   if (!positions_free) return {};
   return {n->c, n->a, n->b};
 }

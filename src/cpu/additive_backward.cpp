@@ -173,17 +173,6 @@ void WeightsFromScores(float* s, std::int64_t keys) {
 
 }  // namespace
 
-bool additive_backward_supports(const AttentionOptions& o) {
-  return o.dropout_p == 0.0 && o.softcap == 0.0 && !o.relative_bias.table.defined();
-}
-
-bool additive_own_weights(const AttentionOptions& o) {
-  return !o.causal && o.window_left < 0 && o.window_right < 0 && o.cu_seqlens_q.empty() &&
-         o.cu_seqlens_k.empty() && !o.mask.defined() && o.alibi_slopes.empty() &&
-         !o.relative_bias.table.defined() && o.softcap == 0.0 && !o.score_mod && !o.mask_mod &&
-         !o.sparse.defined() && o.dropout_p == 0.0 && !o.shard.partial_keys;
-}
-
 bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions& o,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
                        ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {

@@ -25,24 +25,12 @@
 
 namespace qkv::cpu {
 
-// Whether additive_backward computes the gradients of a call with these
-// options: everything but dropout, softcap and the relative position bias
-// (their derivatives are the reference's alone). score_mod never reaches a
-// backward.
-bool additive_backward_supports(const AttentionOptions& options);
-
-// Whether additive_backward may compute a call's weights itself: no mask,
-// bias or sequence packing but key_lengths, which bound its key loops, and
-// the whole of each row's keys (not shard.partial_keys, whose weights need
-// the given lse of the whole rows).
-bool additive_own_weights(const AttentionOptions& options);
-
 // The gradients of a validated Score::additive call into `grads`. `probs`
 // [B, Hq, Nq, Nk] (f32 or f64) are the forward's softmax weights of this
 // call; undefined, they are computed here from the projections, each row
 // normalized by the lse of its own scores (not the forward's: see
 // WeightsFromScores), which only a call whose one mask is key_lengths may
-// do (see additive_own_weights). Such a call may also leave `out`
+// do (Path::additive_own_weights in core/capabilities.cpp). Such a call may also leave `out`
 // undefined: then D_i = sum_j P_ij dP_ij replaces <dO_i, O_i> (equal, as
 // sum_j P_ij = 1), so no forward pass is needed. Runs on OpenMP threads
 // over (sequence, KV head) pairs, each written by one thread, with GEMMs

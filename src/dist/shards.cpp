@@ -5,8 +5,13 @@
 #include <climits>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
 
 #include "api/validate.hpp"
+#include "core/capabilities.hpp"
 #include "core/elements.hpp"
 
 namespace qkv::dist::detail {
@@ -32,15 +37,39 @@ std::int64_t fingerprint(std::span<const T> values) {
 }
 
 struct Agreed {
-  const char* name;
+  std::string name;
   std::int64_t value;
 };
+
+template <class T>
+struct IsSpan : std::false_type {};
+template <class T>
+struct IsSpan<std::span<T>> : std::true_type {};
+
+// One integer per option that ranks compare: the value of a number, an enum
+// or a flag, a fingerprint of a span, else whether the option is on (the
+// options qkv::dist refuses: check_supported names them).
+template <class T>
+std::int64_t agreement_value(const AttentionOptions& o, qkv::detail::Option option,
+                             const T& value) {
+  if constexpr (std::is_enum_v<T> || std::is_integral_v<T>) {
+    return static_cast<std::int64_t>(value);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return std::bit_cast<std::int64_t>(static_cast<double>(value));
+  } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+    return value ? std::bit_cast<std::int64_t>(*value) : -1;
+  } else if constexpr (IsSpan<T>::value) {
+    return fingerprint(value);
+  } else {
+    return qkv::detail::is_on(o, option);
+  }
+}
 
 // Every value a rank's call depends on: shapes, dtypes and options.
 std::vector<Agreed> agreed_values(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                   const AttentionOptions& o, const CallSpec& spec) {
   auto size = [](ConstTensorView t, int d) { return t.rank() > d ? t.size(d) : -1; };
-  return {
+  std::vector<Agreed> agreed = {
       {"q's rank", q.rank()},
       {"q's batch size (dim 0)", size(q, 0)},
       {"q's rows (dim 1)", size(q, 1)},
@@ -51,23 +80,13 @@ std::vector<Agreed> agreed_values(ConstTensorView q, ConstTensorView k, ConstTen
       {"k's head dim (dim 3)", size(k, 3)},
       {"v's head dim (dim 3)", size(v, 3)},
       {"the dtype of q", static_cast<std::int64_t>(q.dtype())},
-      {"options.score", static_cast<std::int64_t>(o.score)},
-      {"options.scale", o.scale ? std::bit_cast<std::int64_t>(*o.scale) : -1},
-      {"options.causal", o.causal},
-      {"options.align", static_cast<std::int64_t>(o.align)},
-      {"options.window_left", o.window_left},
-      {"options.window_right", o.window_right},
-      {"options.key_lengths", fingerprint(o.key_lengths)},
-      {"options.alibi_slopes", fingerprint(o.alibi_slopes)},
-      {"options.softcap", std::bit_cast<std::int64_t>(o.softcap)},
-      {"options.dropout_p", std::bit_cast<std::int64_t>(o.dropout_p)},
-      {"options.dropout_seed", static_cast<std::int64_t>(o.dropout_seed >> 1)},
-      {"options.dropout_seed's low bit", static_cast<std::int64_t>(o.dropout_seed & 1)},
-      {"options.dropout_offset", o.dropout_offset},
-      {"options.backend", static_cast<std::int64_t>(o.backend)},
-      {"options.return_lse", o.return_lse},
       {"the layout", static_cast<std::int64_t>(spec.layout)},
   };
+  qkv::detail::for_each_option(o, [&](qkv::detail::Option option, const auto& value) {
+    agreed.push_back({std::string("options.") + qkv::detail::option_name(option),
+                      agreement_value(o, option, value)});
+  });
+  return agreed;
 }
 
 // Appends a reason for every value on which ranks disagree. Collective.
@@ -79,10 +98,10 @@ void check_agreement(MPI_Comm comm, int rank, const std::vector<Agreed>& mine, R
   MPI_Allreduce(local.data(), high.data(), n, MPI_INT64_T, MPI_MAX, comm);
   for (std::size_t i = 0; i < mine.size(); ++i) {
     if (low[i] != high[i]) {
-      r.push_back(std::string(mine[i].name) +
-                  ": expected the same value on every rank, but the ranks differ (rank " +
-                  std::to_string(rank) + ": " + std::to_string(local[i]) + ", range over ranks: " +
-                  std::to_string(low[i]) + " to " + std::to_string(high[i]) + ")");
+      r.push_back(
+          mine[i].name + ": expected the same value on every rank, but the ranks differ (rank " +
+          std::to_string(rank) + ": " + std::to_string(local[i]) +
+          ", range over ranks: " + std::to_string(low[i]) + " to " + std::to_string(high[i]) + ")");
     }
   }
 }
@@ -113,23 +132,11 @@ void raise_collectively(MPI_Comm comm, const char* function, int rank, int ranks
 }
 
 void check_supported(const AttentionOptions& o, const CallSpec& spec, Reasons& r) {
-  const std::string tail = std::string(" is not supported by qkv::dist::") + spec.function;
-  if (o.mask.defined()) r.push_back("options.mask" + tail);
-  if (!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty()) {
-    r.push_back("options.cu_seqlens_q/k (varlen packing)" + tail);
-  }
-  if (o.relative_bias.table.defined()) r.push_back("options.relative_bias" + tail);
-  if (o.score == Score::additive) r.push_back("options.score: Score::additive" + tail);
-  if (o.score_mod || o.mask_mod) r.push_back("options.score_mod/mask_mod" + tail);
-  if (o.sparse.defined()) r.push_back("options.sparse" + tail);
-  if (o.return_probs) r.push_back("options.return_probs" + tail);
-  const ShardOffsets& sh = o.shard;
-  if (sh.position != 0 || sh.row != 0 || sh.key != 0 || sh.head != 0 || sh.heads != 0 ||
-      sh.partial_keys) {
-    r.push_back("options.shard: expected all zero (qkv::dist sets it), got position " +
-                std::to_string(sh.position) + ", row " + std::to_string(sh.row) + ", key " +
-                std::to_string(sh.key) + ", head " + std::to_string(sh.head) + ", heads " +
-                std::to_string(sh.heads));
+  qkv::detail::refuse_unsupported(qkv::detail::Path::context_parallel, o,
+                                  std::string("qkv::dist::") + spec.function, "", r);
+  if (o.score == Score::additive) {
+    r.push_back("options.score: Score::additive is not supported by qkv::dist::" +
+                std::string(spec.function));
   }
   if (spec.layout != Layout::contiguous && spec.layout != Layout::zigzag) {
     r.push_back("layout: expected Layout::contiguous or Layout::zigzag, got value " +

@@ -13,7 +13,7 @@
 // the reference (error_bound.hpp) and equals, bitwise, the allocating call on another
 // thread count; the reference backward from the forward's f32 lse stays
 // within rounding of the reference in double.
-#include "cpu/additive_backward.hpp"
+#include "core/capabilities.hpp"
 #include "fuzz_common.hpp"
 
 namespace {
@@ -103,7 +103,8 @@ Arg relayout(Input& in, ConstTensorView t) {
 bool runs_fast(const AttentionCase& c) {
   return c.opt.backend == qkv::Backend::fast ||
          (c.opt.backend == qkv::Backend::automatic && c.dtype != DType::f64 &&
-          (c.opt.score != qkv::Score::additive || qkv::cpu::additive_backward_supports(c.opt)));
+          (c.opt.score != qkv::Score::additive ||
+           qkv::detail::supports_all(qkv::detail::Path::additive_backward, c.opt)));
 }
 
 // Gradients of 16-bit formats overflow legitimately when the inputs are
