@@ -213,8 +213,7 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   g.seq = plan.problem->sequence(u.s, *plan.options);
   g.group = plan.problem->group();
   g.positions = u.positions;
-  g.offset = (plan.options->align == Align::bottom_right ? g.seq.nk - g.seq.nq : 0) +
-             plan.options->shard.position;
+  g.offset = detail::query_offset(*plan.options, g.seq.nq, g.seq.nk);
   return g;
 }
 
@@ -401,13 +400,13 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
 // The key blocks a unit visits: from the block holding its first row's
 // lowest key to its last row's highest.
 struct BlockSpan {
-  KeyRange first, last;
+  detail::KeyRange first, last;
   std::int64_t begin, end;  // block indices
 };
 inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry& g) {
   BlockSpan b;
-  b.first = RangeFor(*plan.options, u.i0 + g.offset, g.seq.nk);
-  b.last = RangeFor(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
+  b.first = detail::key_range(*plan.options, u.i0 + g.offset, g.seq.nk);
+  b.last = detail::key_range(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
   const std::int64_t bk = plan.config.keys;
   b.begin = b.first.lo / bk;
   b.end = b.last.hi > b.first.lo ? (b.last.hi + bk - 1) / bk : b.begin;
@@ -431,7 +430,7 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
       KeySpan span{cols, 0};
       if (r < rows) {
         const std::int64_t i = u.i0 + r % g.positions;
-        const KeyRange kr = RangeFor(*plan.options, i + g.offset, g.seq.nk);
+        const detail::KeyRange kr = detail::key_range(*plan.options, i + g.offset, g.seq.nk);
         std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
         std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
         if (pattern) {
