@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/softmax_merge.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/score_mods-inl.h"
@@ -523,7 +523,8 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
 }
 
-// Merges the splits of each sequence in key order (core/softmax_merge.hpp).
+// Merges the splits of each sequence in key order and finishes the rows
+// (core/softmax_epilogue.hpp).
 inline void DecodeMerge(DecodePlan& plan) {
   const Floats row = AllocFloats(plan.dv);
   for (std::size_t first = 0; first < plan.items.size();
