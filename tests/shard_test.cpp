@@ -24,7 +24,7 @@
 
 #include "api/validate.hpp"
 #include "core/elements.hpp"
-#include "core/softmax_merge.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "qkv/qkv.hpp"
 
 // bad_input.hpp and attention_checks.hpp both define qkv::test::kInf: the

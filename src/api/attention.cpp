@@ -37,9 +37,9 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
   const detail::FlexCallables<ScoreMod, MaskMod> functions{options.score_mod, options.mask_mod};
   const detail::TileMods function_mods = detail::function_tile_mods(functions);
   // The probabilities pass needs the lse even when the caller did not ask,
-  // and each row's maximum and sum.
+  // and each row's maximum and scale.
   const std::int64_t stat_sizes[] = {problem.batch, problem.hq, problem.nq};
-  Tensor lse_scratch, row_max, row_sum;
+  Tensor lse_scratch, row_max, row_scale;
   TensorView lse = outputs.lse;
   if (!lse.defined()) {
     lse_scratch = Tensor(DType::f32, stat_sizes);
@@ -49,9 +49,9 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
                                        k, v, outputs.out, lse, outputs.probs);
   if (outputs.probs.defined()) {
     row_max = Tensor(DType::f32, stat_sizes);
-    row_sum = Tensor(DType::f32, stat_sizes);
+    row_scale = Tensor(DType::f32, stat_sizes);
     plan.row_max = row_max;
-    plan.row_sum = row_sum;
+    plan.row_scale = row_scale;
   }
   const bool finite = cpu::flash_forward(plan);
   if (outputs.probs.defined()) cpu::flash_probabilities(plan);

@@ -48,7 +48,7 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
 
 // The fast backward of Score::additive on a validated call: the forward's
 // probabilities pass gives the weights P = exp(s - lse) with every mask and
-// bias applied (the caller's lse as the row maximum, 1 as the row sum, as
+// bias applied (the caller's lse as the row maximum, 1 as the row scale, as
 // the fused backward recomputes P from lse), and cpu::additive_backward
 // differentiates the score. A call whose one mask is key_lengths skips the
 // probabilities pass: the kernel computes P from its own projections,
@@ -65,10 +65,10 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
   const detail::TileMods mods = detail::function_tile_mods(functions);
   Tensor probs(DType::f32, {p.batch, p.hq, p.nq, p.nk});
   cpu::FlashPlan plan = cpu::make_plan(p, o, mods, q, k, v, {}, {}, probs);
-  Tensor row_max = to_dtype(lse, DType::f32), row_sum(DType::f32, {p.batch, p.hq, p.nq});
-  detail::fill(row_sum, 1.0);
+  Tensor row_max = to_dtype(lse, DType::f32), row_scale(DType::f32, {p.batch, p.hq, p.nq});
+  detail::fill(row_scale, 1.0);
   plan.row_max = row_max;
-  plan.row_sum = row_sum;
+  plan.row_scale = row_scale;
   cpu::flash_probabilities(plan);
   return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
 }

@@ -75,6 +75,7 @@ HWY_AFTER_NAMESPACE();
 #include <vector>
 
 #include "core/gemm.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "cpu/additive_backward.hpp"
 
 namespace qkv::cpu {
@@ -157,18 +158,19 @@ class Result {
 };
 
 // Scores s [keys] (keys >= 1) into weights in place: p = exp(s - lse) with
-// the row's own lse = m + log(sum_c exp(s_c - m)), m = max_c s_c, as the
-// forward computes it. Not the forward's lse: these scores come from other
-// GEMMs than the forward's (over all rows of Q and K, not one unit's), whose
-// sums may round apart in the last bit, and against the forward's lse such
-// scores give a row's only key a weight an ulp or more off 1. Against their
-// own, it weighs exactly 1, and a row's weights sum to 1 but for rounding.
+// the row's own lse = m + log(sum_c exp(s_c - m)), m = max_c s_c, finished
+// as the forward finishes its rows (core/softmax_epilogue.hpp). Not the
+// forward's lse: these scores come from other GEMMs than the forward's (over
+// all rows of Q and K, not one unit's), whose sums may round apart in the
+// last bit, and against the forward's lse such scores give a row's only key
+// a weight an ulp or more off 1. Against their own, it weighs exactly 1, and
+// a row's weights sum to 1 but for rounding.
 void WeightsFromScores(float* s, std::int64_t keys) {
   const float m = *std::max_element(s, s + keys);
   float sum = 0.0f;
   for (std::int64_t c = 0; c < keys; ++c) sum += std::exp(s[c] - m);
-  const float row_lse = m + std::log(sum);
-  for (std::int64_t c = 0; c < keys; ++c) s[c] = std::exp(s[c] - row_lse);
+  const float row_lse = detail::finish_row(m, sum).lse;
+  for (std::int64_t c = 0; c < keys; ++c) s[c] = detail::weight_from_lse(s[c], row_lse);
 }
 
 }  // namespace
@@ -245,9 +247,7 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
         // D_i = <dO_i, O_i>, or without out its equal sum_j P_ij dP_ij.
         float d_i = 0.0f;
         if (outs.data() != nullptr) {
-          for (std::int64_t c = 0; c < p.dv; ++c) {
-            d_i += douts.data()[row * p.dv + c] * outs.data()[row * p.dv + c];
-          }
+          d_i = detail::row_delta(douts.data() + row * p.dv, outs.data() + row * p.dv, p.dv);
         } else {
           for (std::int64_t j = 0; j < nk; ++j) d_i += prob[i * ld_p + j] * dp[i * nk + j];
         }

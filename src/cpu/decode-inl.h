@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/softmax_merge.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/score_mods-inl.h"
@@ -295,19 +295,6 @@ struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> s, m, l, alpha;
 };
 
-// The key range [lo, hi) of row (query token t) of sequence b: causal
-// bottom-right, and the left window.
-struct RowRange {
-  std::int64_t lo, hi;
-};
-inline RowRange DecodeRange(const DecodePlan& plan, std::int64_t length, std::int64_t t) {
-  const std::int64_t pos = length - plan.n + t;
-  std::int64_t lo = 0;
-  if (plan.options->window_left >= 0)
-    lo = std::max<std::int64_t>(0, pos - plan.options->window_left);
-  return {lo, pos + 1};
-}
-
 // The shape of one work item's tiles: rows r = h * n + t over all query
 // heads, head_rows = rows / Hkv per KV head; scores s[c][r] with row stride
 // rows_pad; queries [rows][dk_pad]; the output accumulator [rows][dv_pad].
@@ -365,8 +352,8 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
   std::uint8_t keep[kDecodeBlock];
   for (std::int64_t r = 0; r < sh.rows; ++r) {
     const std::int64_t h = r / plan.n, t = r % plan.n;
-    const RowRange range = DecodeRange(plan, length, t);
-    const std::int64_t pos = length - plan.n + t;
+    const detail::KeyRange range = decode_key_range(o, plan.n, length, t);
+    const std::int64_t pos = decode_position(plan.n, length, t);
     for (std::int64_t c = 0; c < cols; ++c) {
       const std::int64_t j = j0 + c;
       float& x = s[c * sh.rows_pad + r];
@@ -470,9 +457,9 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   // window start up to the first row's position.
   std::int64_t open_lo = 0;
   for (std::int64_t t = 0; t < plan.n; ++t) {
-    open_lo = std::max(open_lo, DecodeRange(plan, length, t).lo);
+    open_lo = std::max(open_lo, decode_key_range(o, plan.n, length, t).lo);
   }
-  const std::int64_t open_hi = DecodeRange(plan, length, 0).hi;
+  const std::int64_t open_hi = decode_key_range(o, plan.n, length, 0).hi;
   const bool alibi = !o.alibi_slopes.empty();
   const bool transform = o.softcap > 0.0 || alibi || o.sparse.defined();
 
@@ -536,7 +523,8 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
 }
 
-// Merges the splits of each sequence in key order (core/softmax_merge.hpp).
+// Merges the splits of each sequence in key order and finishes the rows
+// (core/softmax_epilogue.hpp).
 inline void DecodeMerge(DecodePlan& plan) {
   const Floats row = AllocFloats(plan.dv);
   for (std::size_t first = 0; first < plan.items.size();

@@ -64,10 +64,7 @@ DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& option
   for (std::int64_t b = 0; b < plan.batch; ++b) {
     const std::int64_t length = cache.length(b);
     // Keys before the first row's window are never read.
-    std::int64_t first = 0;
-    if (options.window_left >= 0) {
-      first = std::max<std::int64_t>(0, length - plan.n - options.window_left);
-    }
+    const std::int64_t first = decode_key_range(options, plan.n, length, 0).lo;
     for (std::int64_t s = 0; s < plan.splits; ++s) {
       const std::int64_t span = length - first;
       plan.items.push_back({b, first + span * s / plan.splits, first + span * (s + 1) / plan.splits,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/key_range.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/kv_cache.hpp"
 
@@ -38,6 +39,18 @@ struct DecodePlan {
   std::int64_t dv_pad = 0;
   std::vector<float> partial_o, partial_m, partial_l;
 };
+
+// The key-axis position of query token t of a call of n tokens against a
+// sequence holding `length` (bottom-right: the last token is at length - 1),
+// and the keys it admits: causal, and the options' window.
+inline std::int64_t decode_position(std::int64_t n, std::int64_t length, std::int64_t t) {
+  return t + detail::query_offset(Align::bottom_right, 0, n, length);
+}
+inline detail::KeyRange decode_key_range(const AttentionOptions& o, std::int64_t n,
+                                         std::int64_t length, std::int64_t t) {
+  return detail::key_range(true, o.window_left, o.window_right, decode_position(n, length, t),
+                           length);
+}
 
 // Builds the items and workspace of a validated decode call.
 DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& options,

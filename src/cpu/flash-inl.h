@@ -20,6 +20,7 @@
 #include "core/elements.hpp"
 #include "core/gemm.hpp"
 #include "core/philox.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "cpu/score_mods-inl.h"
@@ -213,8 +214,7 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   g.seq = plan.problem->sequence(u.s, *plan.options);
   g.group = plan.problem->group();
   g.positions = u.positions;
-  g.offset = (plan.options->align == Align::bottom_right ? g.seq.nk - g.seq.nq : 0) +
-             plan.options->shard.position;
+  g.offset = detail::query_offset(*plan.options, g.seq.nq, g.seq.nk);
   return g;
 }
 
@@ -401,13 +401,13 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
 // The key blocks a unit visits: from the block holding its first row's
 // lowest key to its last row's highest.
 struct BlockSpan {
-  KeyRange first, last;
+  detail::KeyRange first, last;
   std::int64_t begin, end;  // block indices
 };
 inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry& g) {
   BlockSpan b;
-  b.first = RangeFor(*plan.options, u.i0 + g.offset, g.seq.nk);
-  b.last = RangeFor(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
+  b.first = detail::key_range(*plan.options, u.i0 + g.offset, g.seq.nk);
+  b.last = detail::key_range(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
   const std::int64_t bk = plan.config.keys;
   b.begin = b.first.lo / bk;
   b.end = b.last.hi > b.first.lo ? (b.last.hi + bk - 1) / bk : b.begin;
@@ -431,7 +431,7 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
       KeySpan span{cols, 0};
       if (r < rows) {
         const std::int64_t i = u.i0 + r % g.positions;
-        const KeyRange kr = RangeFor(*plan.options, i + g.offset, g.seq.nk);
+        const detail::KeyRange kr = detail::key_range(*plan.options, i + g.offset, g.seq.nk);
         std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
         std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
         if (pattern) {
@@ -551,7 +551,8 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
       });
   if (!o_written) clear_o();  // no open block: every row is empty
 
-  // O / l into out (rounded once), m + log l into lse.
+  // The rows finished (core/softmax_epilogue.hpp): O scaled into out
+  // (rounded once), the lse stored.
   const TensorView out = plan.out;
   const TensorView lse = plan.lse;
   bool finite = true;
@@ -561,22 +562,21 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
       const std::int64_t r = gi * g.positions + t;
       const std::int64_t qrow = g.seq.q_begin + u.i0 + t;
       float* orow = o + r * shape.dv_pad;
-      const float inv = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+      const detail::RowFinish<float> row = detail::finish_row(m[r], l[r]);
       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
-        hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, inv)), d, orow + c);
+        hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, row.scale)), d, orow + c);
       }
       StoreViewRow(orow, dv, out, g.seq.batch, qrow, h);
-      const float row_lse = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
       static_cast<float*>(
           lse.data())[g.seq.batch * lse.stride(0) + h * lse.stride(1) + qrow * lse.stride(2)] =
-          row_lse;
+          row.lse;
       finite =
-          finite && AllFinite(orow, shape.dv_pad) && (row_lse == kNegInf || std::isfinite(row_lse));
+          finite && AllFinite(orow, shape.dv_pad) && (row.lse == kNegInf || std::isfinite(row.lse));
       if (plan.row_max.defined()) {
         const std::int64_t at = g.seq.batch * plan.row_max.stride(0) + h * plan.row_max.stride(1) +
                                 qrow * plan.row_max.stride(2);
         static_cast<float*>(plan.row_max.data())[at] = m[r];
-        static_cast<float*>(plan.row_sum.data())[at] = l[r];
+        static_cast<float*>(plan.row_scale.data())[at] = row.scale;
       }
     }
   }
@@ -585,7 +585,8 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
 
 // P^T = exp(S^T - lse) in place for the first rows_used columns (queries)
 // and `cols` keys: 0 for masked keys (-inf) and for rows without any key
-// (lse = -inf). The backward's recomputation from the forward's lse.
+// (lse = -inf). The backward's recomputation from the forward's lse: the
+// vector form of detail::weight_from_lse (core/softmax_epilogue.hpp).
 inline void ProbabilitiesFromLse(const float* HWY_RESTRICT lse, std::int64_t rows_used,
                                  std::int64_t cols, float* HWY_RESTRICT s, std::int64_t rows_pad) {
   const hn::ScalableTag<float> d;
@@ -600,30 +601,29 @@ inline void ProbabilitiesFromLse(const float* HWY_RESTRICT lse, std::int64_t row
   }
 }
 
-// P^T = exp(S^T - m) / l in place for the first rows_used columns
-// (queries) and `cols` keys, from each row's maximum m and sum l of the
-// forward (dividing by the row's own sum, not by e^lse with lse rounded to
-// f32, keeps each row normalized to the last ulps): 0 for masked keys (-inf)
-// and for rows without any key (m = -inf).
-inline void ProbabilitiesFromRowStats(const float* HWY_RESTRICT m, const float* HWY_RESTRICT l,
+// P^T = exp(S^T - m) scale in place for the first rows_used columns
+// (queries) and `cols` keys, from each row's maximum m and the scale of its
+// finish (detail::finish_row; scaling by the row's own sum, not by e^lse with
+// lse rounded to f32, keeps each row normalized to the last ulps): 0 for
+// masked keys (-inf) and for rows without any key (m = -inf, scale 0).
+inline void ProbabilitiesFromRowStats(const float* HWY_RESTRICT m, const float* HWY_RESTRICT scale,
                                       std::int64_t rows_used, std::int64_t cols,
                                       float* HWY_RESTRICT s, std::int64_t rows_pad) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   for (std::int64_t r = 0; r < rows_used; r += lanes) {
     const auto v_m = hn::Load(d, m + r);
-    const auto v_l = hn::Load(d, l + r);
-    const auto empty = hn::Or(hn::Eq(v_m, hn::Set(d, kNegInf)), hn::Eq(v_l, hn::Zero(d)));
-    const auto inv = hn::IfThenZeroElse(empty, hn::Div(hn::Set(d, 1.0f), v_l));
+    const auto v_scale = hn::Load(d, scale + r);
+    const auto empty = hn::Or(hn::Eq(v_m, hn::Set(d, kNegInf)), hn::Eq(v_scale, hn::Zero(d)));
     for (std::int64_t c = 0; c < cols; ++c) {
       float* x = s + c * rows_pad + r;
-      const auto p = hn::Mul(FastExp(d, hn::Sub(hn::Load(d, x), v_m)), inv);
+      const auto p = hn::Mul(FastExp(d, hn::Sub(hn::Load(d, x), v_m)), v_scale);
       hn::Store(hn::IfThenZeroElse(empty, p), d, x);
     }
   }
 }
 
-// Probabilities of one unit: P = exp(S - m) / l per admitted key, 0
+// Probabilities of one unit: P = exp(S - m) scale per admitted key, 0
 // elsewhere. Returns true (the forward checked the rows).
 inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileShape& shape,
                               const PackedKeys& cache, Scratch& sc) {
@@ -639,9 +639,9 @@ inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
   PrepareQueries(plan, u, g, shape, sc);
   // Zero every probability of the unit's rows, then fill the open blocks.
   float* row_max = sc.m.get();
-  float* row_sum = sc.l.get();
+  float* row_scale = sc.l.get();
   std::fill_n(row_max, rows_pad, kNegInf);
-  std::fill_n(row_sum, rows_pad, 0.0f);
+  std::fill_n(row_scale, rows_pad, 0.0f);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     for (std::int64_t t = 0; t < g.positions; ++t) {
       float* prow = prob_row(gi, t);
@@ -650,14 +650,14 @@ inline bool ProbabilitiesUnit(const FlashPlan& plan, const Unit& u, const TileSh
                               (u.hkv * g.group + gi) * plan.row_max.stride(1) +
                               (g.seq.q_begin + u.i0 + t) * plan.row_max.stride(2);
       row_max[gi * g.positions + t] = static_cast<const float*>(plan.row_max.data())[at];
-      row_sum[gi * g.positions + t] = static_cast<const float*>(plan.row_sum.data())[at];
+      row_scale[gi * g.positions + t] = static_cast<const float*>(plan.row_scale.data())[at];
     }
   }
   const std::int64_t rows_used = RoundUp(g.rows(), PanelWidth());
   ForEachOpenBlock(plan, u, g, shape, cache, sc,
                    [&](std::int64_t j0, std::int64_t cols, const KeySpan* /*row_keys*/) {
                      float* s = sc.s.get();
-                     ProbabilitiesFromRowStats(row_max, row_sum, rows_used, cols, s, rows_pad);
+                     ProbabilitiesFromRowStats(row_max, row_scale, rows_used, cols, s, rows_pad);
                      for (std::int64_t gi = 0; gi < g.group; ++gi) {
                        for (std::int64_t t = 0; t < g.positions; ++t) {
                          float* prow = prob_row(gi, t) + (g.seq.k_begin + j0) * probs.stride(3);

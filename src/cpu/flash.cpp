@@ -44,6 +44,7 @@ HWY_AFTER_NAMESPACE();
 #include <cstdlib>
 
 #include "core/elements.hpp"
+#include "core/key_range.hpp"
 #include "core/sparse.hpp"
 #include "qkv/positional.hpp"
 
@@ -111,8 +112,7 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
     }
     if (o.sparse.defined()) {
       // From the pattern's parameters: no element is evaluated here.
-      const std::int64_t offset =
-          (o.align == Align::bottom_right ? seq.nk - seq.nq : 0) + o.shard.position;
+      const std::int64_t offset = detail::query_offset(o, seq.nq, seq.nk);
       const detail::Coverage c =
           detail::coverage(o.sparse, {h, u.i0, u.positions, u.i0 + offset, j0, cols});
       if (c == detail::Coverage::none) admitted = 0;

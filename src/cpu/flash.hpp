@@ -51,9 +51,10 @@ struct FlashPlan {
   TensorView out;    // may be undefined in the probabilities pass
   TensorView lse;    // f32 [B, Hq, Nq]; always defined (caller's or scratch)
   TensorView probs;  // f32 [B, Hq, Nq, Nk]; undefined unless requested
-  // f32 [B, Hq, Nq] each: every row's score maximum and softmax sum, written
-  // by the forward for the probabilities pass; undefined unless probs is.
-  TensorView row_max, row_sum;
+  // f32 [B, Hq, Nq] each: every row's score maximum m and the scale of its
+  // finish (detail::finish_row: P = e^(s - m) scale), written by the forward
+  // for the probabilities pass; undefined unless probs is.
+  TensorView row_max, row_scale;
   FlashConfig config;
   std::int64_t positions_per_unit = 0;
   // The largest unit (positions) and key range (rows of K of one sequence):
@@ -129,11 +130,11 @@ struct BackwardPlan {
   double* bias_partial = nullptr;
 };
 
-// Forward pass: out and lse (and row_max, row_sum when defined). Runs on
+// Forward pass: out and lse (and row_max, row_scale when defined). Runs on
 // OpenMP threads; the result does not depend on the thread count. Returns
 // whether every output and lse is finite (lse -inf for rows without keys).
 bool flash_forward(const FlashPlan& plan);
-// Attention probabilities from the row maxima and sums of a completed
+// Attention probabilities from the row maxima and scales of a completed
 // forward pass.
 void flash_probabilities(const FlashPlan& plan);
 // Name of the Highway target the kernels dispatch to on this CPU ("AVX2").

@@ -131,8 +131,9 @@ inline void PackTile(ConstTensorView t, const Unit& u, const UnitGeometry& g, st
 }
 
 // Packs everything a tile needs from its query rows into `dst`: Q^T (scaled)
-// and Q panels, dO^T and dO panels, and per row lse (-inf for padding, so
-// its P is 0) and D = <dout, out>.
+// and Q panels, dO^T and dO panels, and the backward's row terms
+// (core/softmax_epilogue.hpp): per row lse (-inf for padding, so its P is 0)
+// and D = <dout, out>, summed here a vector at a time.
 inline void PrepareTile(const BackwardPlan& bp, const Unit& u, const UnitGeometry& g,
                         const TileShape& shape, const QueryTile& dst, BackwardScratch& b) {
   const FlashPlan& plan = *bp.plan;

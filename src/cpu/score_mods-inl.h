@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "core/elements.hpp"
+#include "core/key_range.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/contrib/math/math-inl.h"
@@ -40,22 +41,6 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The key range [lo, hi) that causal, window and key lengths leave to the
-// query at position `pos` (hi <= lo: none). Both ends grow with pos.
-struct KeyRange {
-  std::int64_t lo, hi;
-};
-inline KeyRange RangeFor(const AttentionOptions& o, std::int64_t pos, std::int64_t nk) {
-  // Windows may be as wide as int64 allows; positions are below 2^60
-  // (detail::kMaxSequence), so comparing with them first never overflows.
-  std::int64_t lo = 0, hi = nk;
-  if (o.window_left >= 0 && o.window_left < pos) lo = pos - o.window_left;
-  if (o.causal) hi = std::min(hi, pos + 1);
-  if (o.window_right >= 0 && o.window_right < nk - pos) hi = std::min(hi, pos + o.window_right + 1);
-  lo = std::min(lo, nk);
-  return {lo, std::max(hi, lo)};
-}
 
 // Everything a unit needs to address its rows: row g * positions + t is
 // query head hkv * group + g at position i0 + t of sequence seq.
@@ -138,10 +123,10 @@ inline void AddFloatMask(const HeadTile& t, ConstTensorView m, const detail::Seq
 
 // ---- masks ------------------------------------------------------------------
 
-// Drops keys outside each query's range (RangeFor). Key j0 + c is open to
-// query i iff lo_i <= j0 + c < hi_i: each lane's bounds, relative to j0 and
-// clamped to [0, cols], are small integers, exact in float however long the
-// sequence.
+// Drops keys outside each query's range (detail::key_range). Key j0 + c is
+// open to query i iff lo_i <= j0 + c < hi_i: each lane's bounds, relative to
+// j0 and clamped to [0, cols], are small integers, exact in float however
+// long the sequence.
 inline void MaskOutsideRanges(const HeadTile& t, const AttentionOptions& o, std::int64_t nk) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
@@ -151,7 +136,8 @@ inline void MaskOutsideRanges(const HeadTile& t, const AttentionOptions& o, std:
   HWY_ALIGN float hi_rel[hn::MaxLanes(d)];
   for (std::int64_t x0 = 0; x0 < t.positions; x0 += lanes) {
     for (std::int64_t x = 0; x < lanes; ++x) {
-      const KeyRange kr = RangeFor(o, t.pos0 + std::min(x0 + x, t.positions - 1), nk);
+      const detail::KeyRange kr =
+          detail::key_range(o, t.pos0 + std::min(x0 + x, t.positions - 1), nk);
       lo_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.lo - t.j0, 0, t.cols));
       hi_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.hi - t.j0, 0, t.cols));
     }

@@ -1,7 +1,7 @@
 // Ring attention: K/V shards travel rank r -> r + 1; at step t rank r holds
 // the shard of rank r - t (mod R), attends to it with qkv::attention (global
 // positions through options.shard) and merges the piece into its running
-// result by logsumexp (core/softmax_merge.hpp). The backward sends dK/dV
+// result by logsumexp (core/softmax_epilogue.hpp). The backward sends dK/dV
 // accumulators one step behind their shards.
 #include <mpi.h>
 
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
-#include "core/softmax_merge.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "dist/shards.hpp"
 #include "qkv/distributed.hpp"
 

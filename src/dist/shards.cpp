@@ -239,6 +239,10 @@ std::vector<BatchGroup> batch_groups(const Setup& s, const AttentionOptions& o) 
   return groups;
 }
 
+// A test on whole chunks, not rows: the rows' ranges are those of
+// detail::key_range (core/key_range.hpp), which the pieces' calls apply;
+// here the first position whose range reaches k_first is found from causal
+// and window_right instead of evaluating a range per query row.
 bool may_attend(const AttentionOptions& o, const BatchGroup& g, const Chunk& qc, const Chunk& kc) {
   const std::int64_t k_first = kc.global;
   const std::int64_t k_end = std::min(kc.global + kc.length, g.valid_keys);

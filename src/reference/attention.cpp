@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
 
 namespace qkv::reference {
@@ -60,15 +61,16 @@ void attention_in(const AttentionProblem& p, ConstTensorView q, ConstTensorView 
               row_max = scores[j];
             }
           }
-          // Softmax with the maximum subtracted; a row with no finite score
-          // (all keys dropped) has weights 0, output 0 and lse -inf.
+          // Softmax with the maximum subtracted, finished by the epilogue
+          // (core/softmax_epilogue.hpp): a row with no finite score (all keys
+          // dropped) has weights 0, output 0 and lse -inf.
           Real sum = 0;
           for (Real& x : scores) {
             x = row_max == kNegInf ? Real(0) : std::exp(x - row_max);
             sum += x;
           }
-          const Real inv_sum = sum == 0 ? Real(0) : 1 / sum;
-          for (Real& x : scores) x = round_to(x * inv_sum, rounding);  // the weights
+          const detail::RowFinish<Real> finish = detail::finish_row(row_max, sum);
+          for (Real& x : scores) x = round_to(x * finish.scale, rounding);  // the weights
           // out_i = sum_j P_ij Z_ij / (1 - p) v_j; lse and probs stay those of
           // P. A framework's dropout returns a tensor of its dtype, hence the
           // rounding of the scaled weights.
@@ -95,8 +97,7 @@ void attention_in(const AttentionProblem& p, ConstTensorView q, ConstTensorView 
           }
           if (lse.defined()) {
             store(lse.data(), lse.dtype(),
-                  seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2),
-                  sum == 0 ? kNegInf : row_max + std::log(sum));
+                  seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2), finish.lse);
           }
           if (probs.defined()) {
             for (std::int64_t j = 0; j < seq.nk_rows; ++j) {

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
 
 namespace qkv::reference {
@@ -97,19 +98,20 @@ bool all_zero(const Real* x, std::int64_t n) {
   return std::all_of(x, x + n, [](Real e) { return e == 0; });
 }
 
-// log sum_j exp(scores[j]) over the finite and +inf scores; -inf when every
-// score is -inf (no key admitted), NaN when one is NaN or +inf.
+// The row's lse from its scores, finished by the epilogue
+// (core/softmax_epilogue.hpp): -inf when every score is -inf (no key
+// admitted), NaN when one is NaN or +inf.
 template <class Real>
 Real logsumexp(const std::vector<Real>& scores) {
-  Real max = -std::numeric_limits<Real>::infinity();
+  constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
+  Real max = kNegInf;
   for (const Real x : scores) max = std::isnan(x) || x > max ? x : max;
-  if (std::isinf(max) || std::isnan(max)) {
-    return max == -std::numeric_limits<Real>::infinity() ? max
-                                                         : std::numeric_limits<Real>::quiet_NaN();
-  }
+  if (std::isnan(max) || max == -kNegInf) return std::numeric_limits<Real>::quiet_NaN();
   Real sum = 0;
-  for (const Real x : scores) sum += std::exp(x - max);
-  return max + std::log(sum);
+  if (max != kNegInf) {
+    for (const Real x : scores) sum += std::exp(x - max);
+  }
+  return detail::finish_row(max, sum).lse;
 }
 
 // The backward loops in arithmetic `Real`; P, dP and dS are rounded to
@@ -179,8 +181,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
           // A row without admitted keys (lse = -inf) had out = 0 and no
           // weights: its gradients are zero.
           if (row_lse != kNegInf) {
-            Real d_i = 0;  // D_i
-            for (std::int64_t c = 0; c < p.dv; ++c) d_i += dout_row[c] * out_row[c];
+            const Real d_i = detail::row_delta(dout_row.data(), out_row.data(), p.dv);
             if (dropout) dropout_row(p, o, s, h, i, nk, keep);
             for (std::int64_t j = 0; j < nk; ++j) {
               // Dropped keys (masks, or a score of -inf) contribute nothing,
@@ -188,7 +189,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
               if (scores[j] == kNegInf) continue;
               const Real raw = raw_scores[j];  // R_ij
               const Real score = scores[j];
-              const Real prob = round_to(std::exp(score - row_lse), rounding);
+              const Real prob = round_to(detail::weight_from_lse(score, row_lse), rounding);
               // A factor of exactly 0 (a weight that underflowed, a dropout
               // zero) cancels its terms, even a NaN or inf in the other factor.
               if (prob == 0) continue;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/key_range.hpp"
 #include "core/philox.hpp"
 #include "core/problem.hpp"
 #include "qkv/attention.hpp"
@@ -114,7 +115,7 @@ struct HeadContext {
 // Position of query row i on the key axis (the diagonal for causal/window).
 template <class Real>
 std::int64_t query_position(const HeadContext<Real>& c, std::int64_t i) {
-  return (c.o.align == Align::bottom_right ? i + (c.seq.nk - c.seq.nq) : i) + c.o.shard.position;
+  return i + detail::query_offset(c.o, c.seq.nq, c.seq.nk);
 }
 
 // Whether row i attends to key j: every mask of the options admits it.
@@ -122,13 +123,8 @@ template <class Real>
 bool key_admitted(const HeadContext<Real>& c, std::int64_t i, std::int64_t j) {
   const AttentionOptions& o = c.o;
   const std::int64_t pos = query_position(c, i);
-  // How far key j lies before the query; positions are below 2^60
-  // (detail::kMaxSequence), so this cannot overflow, unlike pos - left.
-  const std::int64_t before = pos - j;
-  if (j >= c.seq.nk) return false;
-  if (o.causal && before < 0) return false;
-  if (o.window_left >= 0 && before > o.window_left) return false;
-  if (o.window_right >= 0 && -before > o.window_right) return false;
+  const detail::KeyRange range = detail::key_range(o, pos, c.seq.nk);
+  if (j < range.lo || j >= range.hi) return false;
   if (o.mask.defined() && o.mask.dtype() == DType::boolean &&
       mask_at(o.mask, c.seq.batch, c.h, c.seq.q_begin + i, c.seq.k_begin + j) == 0.0) {
     return false;
