@@ -20,7 +20,7 @@
 #include <span>
 #include <vector>
 
-#include "qkv/positional.hpp"
+#include "qkv/positional.hpp"  // RopeConfig
 #include "qkv/tensor.hpp"
 
 namespace qkv {

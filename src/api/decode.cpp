@@ -3,11 +3,13 @@
 // attention on the cache gathered into dense tensors.
 #include "qkv/decode.hpp"
 
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "api/validate.hpp"
+#include "cache/view.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/sparse.hpp"
@@ -143,12 +145,38 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   });
 }
 
+// The plain view the decode kernels read: the cache's shape and lengths, and
+// the address of every page in each sequence's block table.
+cache::KvView view_of(const KvCache& kv) {
+  const KvCacheConfig& c = kv.config();
+  cache::KvView view;
+  view.dtype = c.dtype;
+  view.batch = c.batch;
+  view.kv_heads = c.kv_heads;
+  view.head_dim = c.head_dim;
+  view.value_dim = kv.value_dim();
+  view.page_size = kv.page_size();
+  view.lengths = kv.lengths();
+  view.first_page.reserve(static_cast<std::size_t>(c.batch) + 1);
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    view.first_page.push_back(static_cast<std::int64_t>(view.key_pages.size()));
+    const auto pages = static_cast<std::int64_t>(kv.block_table(b).size());
+    for (std::int64_t i = 0; i < pages; ++i) {
+      view.key_pages.push_back(static_cast<const std::byte*>(kv.key_page(b, i)));
+      view.value_pages.push_back(static_cast<const std::byte*>(kv.value_page(b, i)));
+    }
+  }
+  view.first_page.push_back(static_cast<std::int64_t>(view.key_pages.size()));
+  return view;
+}
+
 // Runs a validated call. A fused result holding a NaN or an infinity is
 // recomputed by the reference, which defines it (see docs/semantics.md).
 void run(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
          const AttentionOptions& o) {
   if (o.backend != Backend::reference && q.dtype() != DType::f64) {
-    cpu::DecodePlan plan = cpu::make_decode_plan(cache, o, q, out, lse);
+    const cache::KvView view = view_of(cache);
+    cpu::DecodePlan plan = cpu::make_decode_plan(view, o, q, out, lse);
     cpu::decode(plan);
     if (detail::all_finite(out) && (!lse.defined() || detail::all_finite(lse, true))) return;
   }

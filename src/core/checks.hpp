@@ -17,7 +17,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
-#include "qkv/kv_cache.hpp"
+#include "qkv/positional.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::detail {

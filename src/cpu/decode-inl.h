@@ -1,9 +1,11 @@
 // The per-target body of decode attention (see decode.hpp). A work item
 // streams its keys once: for each block of keys it computes the scores of
 // every query row (all heads x the new tokens), updates the rows' running max
-// and sum, and accumulates p V, widening 16-bit cache entries to f32 in
-// registers. A work item takes all KV heads of a range of tokens, so it reads
-// the cache sequentially, token row after token row: one KV head alone would
+// and sum, and accumulates p V, widening the stored entries to f32 in
+// registers. The cache comes as a plain view (cache/view.hpp) and its rows
+// are read through the storage traits (cache/storage-inl.h): the kernel is
+// one template over them, whatever the stored type. A work item takes all KV heads of a range of
+// tokens, so it reads the cache sequentially, token row after token row: one KV head alone would
 // read D of every Hkv * D elements, a new page per key, and leave the
 // hardware prefetchers and the TLB behind.
 #if defined(QKV_CPU_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -21,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/storage-inl.h"
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
@@ -49,37 +52,6 @@ constexpr std::int64_t kValueGroup = 8;
 // two tiles' lines. 128 measured 61-62% -> 68-69% of the read bandwidth at
 // L = 32768; 256 gained less, 512 nothing, and 1024 lost.
 constexpr std::int64_t kValueAhead = 128;
-
-// A vector of f32 from `n` lanes of storage type T at p (T = float,
-// hwy::bfloat16_t or hwy::float16_t), widened exactly.
-template <class T, class D>
-HWY_INLINE hn::Vec<D> LoadWide(D d, const T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(d, p);
-  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
-    const hn::Rebind<std::uint16_t, D> du16;
-    const hn::RebindToUnsigned<D> du32;
-    const auto bits =
-        hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(p)));
-    return hn::BitCast(d, hn::ShiftLeft<16>(bits));
-  } else {
-    const hn::Rebind<hwy::float16_t, D> df16;
-    return hn::PromoteTo(d, hn::LoadU(df16, p));
-  }
-}
-
-// One element of storage type T as f32 (exact).
-template <class T>
-HWY_INLINE float Wide(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    std::uint16_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if constexpr (std::is_same_v<T, hwy::bfloat16_t>) return to_float(bf16{bits});
-    return to_float(f16{bits});
-  }
-}
 
 template <class D>
 HWY_INLINE float Sum(D d, hn::Vec<D> v) {
@@ -134,10 +106,10 @@ HWY_INLINE void KeepInRegister(V& v) {
 // loop GCC folded a load of each query vector into every FMA that used it
 // (10 loads per 8 FMAs; now 6). With the cache in L3 (L = 1024, one thread)
 // an f16 call went from 0.378 to 0.356 ms.
-template <int kRows, int kTokens, class T, class D>
+template <int kRows, int kTokens, class Traits, class D>
 HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pad,
-                            const T* const* keys, std::int64_t dk, float* HWY_RESTRICT out,
-                            std::int64_t out_stride) {
+                            const typename Traits::Stored* const* keys, std::int64_t dk,
+                            float* HWY_RESTRICT out, std::int64_t out_stride) {
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   hn::Vec<D> acc[kTokens][kRows];
   for (int t = 0; t < kTokens; ++t) {
@@ -151,7 +123,7 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
       KeepInRegister(qv[u]);
     }
     for (int t = 0; t < kTokens; ++t) {
-      const auto kv = LoadWide<T>(d, keys[t] + x);
+      const auto kv = Traits::Load(d, keys[t], x);
       for (int u = 0; u < kRows; ++u) acc[t][u] = hn::MulAdd(kv, qv[u], acc[t][u]);
     }
   }
@@ -160,7 +132,7 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
   HWY_ALIGN float tail[kTokens][4] = {};
   for (; x < dk; ++x) {
     for (int t = 0; t < kTokens; ++t) {
-      const float kx = Wide(keys[t][x]);
+      const float kx = Traits::LoadOne(keys[t], x);
       for (int u = 0; u < kRows; ++u) tail[t][u] += kx * q[u * dk_pad + x];
     }
   }
@@ -197,24 +169,25 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
 // O[u][k * lanes ...] += sum_c p[c * p_stride + u] * values[c][k * lanes ...]
 // for kRows rows and kVecs vectors of columns: the accumulators stay in
 // registers across the block's tokens, each widened value vector serves
-// every row and each broadcast weight every column vector. f32 value rows,
-// which the score pass does not prefetch, are fetched kValueAhead bytes
-// ahead of each token's read (further along the same token row).
-template <int kRows, int kVecs, class T, class D>
+// every row and each broadcast weight every column vector. Value rows of a
+// storage that does not stream ahead (f32), which the score pass does not
+// prefetch, are fetched kValueAhead bytes ahead of each token's read
+// (further along the same token row).
+template <int kRows, int kVecs, class Traits, class D>
 HWY_INLINE void ValueTile(D d, const float* HWY_RESTRICT p, std::int64_t p_stride,
-                          const T* const* values, std::int64_t offset, std::int64_t cols,
-                          float* HWY_RESTRICT o, std::int64_t o_stride) {
+                          const typename Traits::Stored* const* values, std::int64_t offset,
+                          std::int64_t cols, float* HWY_RESTRICT o, std::int64_t o_stride) {
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   hn::Vec<D> acc[kRows][kVecs];
   for (int u = 0; u < kRows; ++u) {
     for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::LoadU(d, o + u * o_stride + k * lanes);
   }
   for (std::int64_t c = 0; c < cols; ++c) {
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (!Traits::kStreamAhead) {
       hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(values[c] + offset) + kValueAhead);
     }
     hn::Vec<D> vv[kVecs];
-    for (int k = 0; k < kVecs; ++k) vv[k] = LoadWide<T>(d, values[c] + offset + k * lanes);
+    for (int k = 0; k < kVecs; ++k) vv[k] = Traits::Load(d, values[c], offset + k * lanes);
     for (int u = 0; u < kRows; ++u) {
       const auto pu = hn::Set(d, p[c * p_stride + u]);
       for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::MulAdd(pu, vv[k], acc[u][k]);
@@ -303,12 +276,15 @@ struct ItemShape {
 };
 
 // Scores of a block's `cols` tokens, s[c][r] = <q_r, k_c>: two keys at a
-// time against four rows of their KV head. kSpread: 16-bit caches prefetch
-// the next block's keys through next_keys, f32 caches the keys two tokens
-// ahead (see DecodeItemRun).
-template <class T, bool kSpread>
-void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q, const T* const* keys,
-                 std::int64_t cols, LineStream& next_keys, float* HWY_RESTRICT s) {
+// time against four rows of their KV head. kSpread (the traits'
+// kStreamAhead, 16-bit caches): prefetch the next block's keys through
+// next_keys; otherwise (f32) the keys two tokens ahead (see DecodeItemRun).
+template <class Traits>
+void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
+                 const typename Traits::Stored* const* keys, std::int64_t cols,
+                 LineStream& next_keys, float* HWY_RESTRICT s) {
+  using T = typename Traits::Stored;
+  constexpr bool kSpread = Traits::kStreamAhead;
   const hn::ScalableTag<float> d;
   const std::int64_t key_bytes = sh.hkv * sh.dk * static_cast<std::int64_t>(sizeof(T));
   for (std::int64_t c = 0; c < cols; c += 2) {
@@ -329,11 +305,11 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q, const T* cons
           float* out = s + c * sh.rows_pad + r;
           if constexpr (kSpread) next_keys.Next();
           if (pair == 2) {
-            ScoreTile<decltype(kRows)::value, 2>(d, q + r * sh.dk_pad, sh.dk_pad, krows, sh.dk, out,
-                                                 sh.rows_pad);
+            ScoreTile<decltype(kRows)::value, 2, Traits>(d, q + r * sh.dk_pad, sh.dk_pad, krows,
+                                                         sh.dk, out, sh.rows_pad);
           } else {
-            ScoreTile<decltype(kRows)::value, 1>(d, q + r * sh.dk_pad, sh.dk_pad, krows, sh.dk, out,
-                                                 sh.rows_pad);
+            ScoreTile<decltype(kRows)::value, 1, Traits>(d, q + r * sh.dk_pad, sh.dk_pad, krows,
+                                                         sh.dk, out, sh.rows_pad);
           }
         });
       }
@@ -374,11 +350,14 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
 
 // O += P V for a block's `cols` tokens, per KV head, kValueGroup tokens at
 // a time: tiles of four rows x two vectors of columns, the columns past the
-// last whole vector in scalars. kSpread: 16-bit caches prefetch the next
-// block's values through next_values.
-template <class T, bool kSpread>
-void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s, const T* const* values,
-                 std::int64_t cols, LineStream& next_values, float* HWY_RESTRICT o_acc) {
+// last whole vector in scalars. kSpread (the traits' kStreamAhead, 16-bit
+// caches): prefetch the next block's values through next_values.
+template <class Traits>
+void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
+                 const typename Traits::Stored* const* values, std::int64_t cols,
+                 LineStream& next_values, float* HWY_RESTRICT o_acc) {
+  using T = typename Traits::Stored;
+  constexpr bool kSpread = Traits::kStreamAhead;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = sh.lanes, dv = sh.dv, dv_pad = sh.dv_pad, rows_pad = sh.rows_pad;
   const std::int64_t full = dv / lanes * lanes;
@@ -393,13 +372,13 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s, const T* cons
           std::int64_t x = 0;
           for (; x + 2 * lanes <= full; x += 2 * lanes) {
             if constexpr (kSpread) next_values.Next();
-            ValueTile<kR, 2>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
-                             dv_pad);
+            ValueTile<kR, 2, Traits>(d, sg + r, rows_pad, vg, hk * dv + x, gcols,
+                                     o_acc + r * dv_pad + x, dv_pad);
           }
           if (x < full) {
             if constexpr (kSpread) next_values.Next();
-            ValueTile<kR, 1>(d, sg + r, rows_pad, vg, hk * dv + x, gcols, o_acc + r * dv_pad + x,
-                             dv_pad);
+            ValueTile<kR, 1, Traits>(d, sg + r, rows_pad, vg, hk * dv + x, gcols,
+                                     o_acc + r * dv_pad + x, dv_pad);
           }
         });
         // Columns past the last whole vector, in scalars.
@@ -408,7 +387,7 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s, const T* cons
           for (std::int64_t rr = r; rr < row_end; ++rr) {
             float sum = o_acc[rr * dv_pad + e];
             for (std::int64_t c = 0; c < gcols; ++c) {
-              sum += sg[c * rows_pad + rr] * Wide(vg[c][hk * dv + e]);
+              sum += sg[c * rows_pad + rr] * Traits::LoadOne(vg[c], hk * dv + e);
             }
             o_acc[rr * dv_pad + e] = sum;
           }
@@ -418,14 +397,16 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s, const T* cons
   }
 }
 
-// One work item. q holds the sequence's scaled query rows [rows][dk_pad].
-template <class T>
+// One work item of a cache stored as Traits says. q holds the sequence's
+// scaled query rows [rows][dk_pad].
+template <class Traits>
 void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RESTRICT q,
                    DecodeScratch& sc) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  using T = typename Traits::Stored;
   const AttentionOptions& o = *plan.options;
-  const KvCache& cache = *plan.cache;
+  const cache::KvView& cache = *plan.cache;
   const ItemShape sh{lanes,
                      plan.hkv,
                      plan.rows,
@@ -436,7 +417,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
                      plan.dv,
                      plan.dv_pad};
   const std::int64_t length = cache.length(item.b);
-  const std::int64_t ps = cache.page_size();
+  const std::int64_t ps = cache.page_size;
   float* o_acc = plan.partial_o.data() + item.slot * sh.rows * sh.dv_pad;
   float* m = sc.m.get();
   float* l = sc.l.get();
@@ -470,8 +451,8 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   auto token_rows = [&](std::int64_t j0, std::int64_t cols, const T** keys, const T** values) {
     std::int64_t page = j0 / ps, row = j0 % ps;
     for (std::int64_t c = 0; c < cols; ++page, row = 0) {
-      const auto* k = static_cast<const T*>(cache.key_page(item.b, page));
-      const auto* v = static_cast<const T*>(cache.value_page(item.b, page));
+      const auto* k = reinterpret_cast<const T*>(cache.key_page(item.b, page));
+      const auto* v = reinterpret_cast<const T*>(cache.value_page(item.b, page));
       for (; row < ps && c < cols; ++row, ++c) {
         keys[c] = k + row * sh.hkv * sh.dk;
         values[c] = v + row * sh.hkv * sh.dv;
@@ -491,8 +472,9 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   // points of the read bandwidth on average (39.9-51.2% -> 42.2-53.6%).
   // f32 caches measured the same at long caches and slower at L = 4096
   // (short work items start each block unfetched), so they keep the keys
-  // two tokens ahead and the value tiles' own prefetch.
-  constexpr bool kSpread = !std::is_same_v<T, float>;
+  // two tokens ahead and the value tiles' own prefetch. Each storage's
+  // traits choose (kStreamAhead).
+  constexpr bool kSpread = Traits::kStreamAhead;
   const std::int64_t tiles_per_head = (sh.head_rows + 3) / 4;
   LineStream next_keys, next_values;
   for (std::int64_t j0 = item.begin; j0 < item.end; j0 += kDecodeBlock) {
@@ -509,7 +491,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
       next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
       next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
     }
-    BlockScores<T, kSpread>(sh, q, keys, cols, next_keys, s);
+    BlockScores<Traits>(sh, q, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
       BlockModifyAndMask(plan, sh, length, j0, cols, alibi, slopes, s);
@@ -517,7 +499,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
     RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
-    BlockValues<T, kSpread>(sh, s, values, cols, next_values, o_acc);
+    BlockValues<Traits>(sh, s, values, cols, next_values, o_acc);
   }
   std::copy_n(m, sh.rows, plan.partial_m.data() + item.slot * sh.rows);
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
@@ -552,7 +534,7 @@ inline void DecodeImpl(DecodePlan& plan) {
   const std::int64_t dk_pad = RoundUp(plan.dk, lanes);
   const std::int64_t rows_pad = RoundUp(plan.rows, lanes);
   const auto n = static_cast<std::int64_t>(plan.items.size());
-  const DType storage = plan.cache->config().dtype;
+  const DType storage = plan.cache->dtype;
   // Every sequence's scaled query rows [B][rows][dk_pad], converted once
   // for all its splits; the padding past dk stays zero.
   const Floats q = AllocFloats(plan.batch * plan.rows * dk_pad);
@@ -578,13 +560,8 @@ inline void DecodeImpl(DecodePlan& plan) {
     for (std::int64_t i = 0; i < n; ++i) {
       const DecodeItem& item = plan.items[static_cast<std::size_t>(i)];
       const float* q_item = q.get() + item.b * plan.rows * dk_pad;
-      if (storage == DType::f32) {
-        DecodeItemRun<float>(plan, item, q_item, sc);
-      } else if (storage == DType::bf16) {
-        DecodeItemRun<hwy::bfloat16_t>(plan, item, q_item, sc);
-      } else {
-        DecodeItemRun<hwy::float16_t>(plan, item, q_item, sc);
-      }
+      cache::HWY_NAMESPACE::WithStorage(
+          storage, [&](auto traits) { DecodeItemRun<decltype(traits)>(plan, item, q_item, sc); });
     }
   }
   DecodeMerge(plan);

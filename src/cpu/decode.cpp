@@ -38,7 +38,7 @@ constexpr std::int64_t kTargetItems = 16;
 
 }  // namespace
 
-DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& options,
+DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& options,
                             ConstTensorView q, TensorView out, TensorView lse) {
   DecodePlan plan;
   plan.cache = &cache;
@@ -50,8 +50,8 @@ DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& option
   plan.n = q.size(1);
   plan.hq = q.size(2);
   plan.dk = q.size(3);
-  plan.hkv = cache.config().kv_heads;
-  plan.dv = cache.value_dim();
+  plan.hkv = cache.kv_heads;
+  plan.dv = cache.value_dim;
   plan.scale = static_cast<float>(
       options.score == Score::dot ? 1.0 : options.scale.value_or(1.0 / std::sqrt(double(plan.dk))));
   plan.rows = plan.hq * plan.n;

@@ -1,14 +1,14 @@
-// Decode attention against a KvCache (flash-decoding): the plain-C++ side,
+// Decode attention against a KV cache (flash-decoding): the plain-C++ side,
 // the plan that the SIMD body (decode-inl.h, compiled per Highway target)
-// consumes.
+// consumes. The cache comes as the plain view of cache/view.hpp.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "cache/view.hpp"
 #include "core/key_range.hpp"
 #include "qkv/attention.hpp"
-#include "qkv/kv_cache.hpp"
 
 namespace qkv::cpu {
 
@@ -22,7 +22,7 @@ struct DecodeItem {
 };
 
 struct DecodePlan {
-  const KvCache* cache = nullptr;
+  const cache::KvView* cache = nullptr;
   const AttentionOptions* options = nullptr;
   ConstTensorView q;  // [B, n, Hq, Dk]
   TensorView out;     // [B, n, Hq, Dv]
@@ -53,7 +53,7 @@ inline detail::KeyRange decode_key_range(const AttentionOptions& o, std::int64_t
 }
 
 // Builds the items and workspace of a validated decode call.
-DecodePlan make_decode_plan(const KvCache& cache, const AttentionOptions& options,
+DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& options,
                             ConstTensorView q, TensorView out, TensorView lse);
 
 // Runs the items on OpenMP threads and merges the splits in order.

@@ -1,6 +1,9 @@
-// The key/value cache. Every mutating call
-// validates all of its input, the room needed in the cache included, before
-// it writes anything, so a call that throws leaves the cache as it was.
+// The key/value cache: storage, paging, appends (RoPE on the way in) and the
+// validation of configs and appends. Every mutating call validates all of
+// its input, the room needed in the cache included, before it writes
+// anything, so a call that throws leaves the cache as it was. Stored rows are
+// written as the storage traits say (cache/storage-inl.h, included here for
+// the static Highway target: the writes are scalar).
 #include "qkv/kv_cache.hpp"
 
 #include <algorithm>
@@ -20,19 +23,21 @@
 #include "core/elements.hpp"
 #include "core/positional.hpp"
 #include "core/rows.hpp"
+// Highway before the traits, which are per target (here: the static one).
+#include "hwy/highway.h"
+// (the traits after highway.h)
+#include "cache/storage-inl.h"
 
 namespace qkv {
 namespace {
 
+using cache::HWY_NAMESPACE::WithStorage;
 using detail::at;
-using detail::copy_row_for;
 using detail::CopyRow;
 using detail::load_row_for;
 using detail::LoadRow;
 using detail::Reasons;
 using detail::Rotation;
-using detail::store_row_for;
-using detail::StoreRow;
 using detail::throw_if;
 using std::to_string;
 
@@ -95,17 +100,26 @@ void check_room(const char* op, const Pool& pool, const Counts& counts, Reasons&
   }
 }
 
+// The storage's row writer for inputs of `dtype`, chosen once per call.
+template <class Traits>
+CopyRow writer_for(DType dtype) {
+  return detail::visit_floating(
+      dtype, [](auto t) -> CopyRow { return &Traits::template Write<typename decltype(t)::type>; });
+}
+
 // Appends rows [0, counts[b]) of k [B, n, Hkv, Dk] and v [B, n, Hkv, Dv] to
-// each sequence b, taking pages as sequences cross page boundaries. Runs only
-// after check_room passed; it cannot fail (the tables have their capacity
-// reserved), so a throwing call never gets here.
+// each sequence b, taking pages as sequences cross page boundaries, rows
+// written as Traits says. Runs only after check_room passed; it cannot fail
+// (the tables have their capacity reserved), so a throwing call never gets
+// here.
+template <class Traits>
 void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
            const RopeConfig* rope) {
-  const DType storage = pool.keys.dtype();
-  const CopyRow copy_key = copy_row_for(k.dtype(), storage);
-  const CopyRow copy_value = copy_row_for(v.dtype(), storage);
+  const DType storage = Traits::kDType;
+  const CopyRow copy_key = writer_for<Traits>(k.dtype());
+  const CopyRow copy_value = writer_for<Traits>(v.dtype());
   const LoadRow load_key = load_row_for(k.dtype());
-  const StoreRow store_key = store_row_for(storage);
+  const CopyRow store_key = &Traits::template Write<double>;
   std::optional<Rotation> rotation;
   if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
   std::vector<double> row(rope != nullptr ? static_cast<std::size_t>(pool.head_dim) : 0);
@@ -135,7 +149,7 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
         if (rotation) {
           load_key(key_src, k.stride(3), row.data(), pool.head_dim);
           rotation->rotate(row.data());
-          store_key(row.data(), key_head, 1, pool.head_dim);
+          store_key(row.data(), 1, key_head, pool.head_dim);
         } else {
           copy_key(key_src, k.stride(3), key_head, pool.head_dim);
         }
@@ -147,6 +161,12 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
     }
     pool.lengths[b] += counts[b];
   }
+}
+
+void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
+           const RopeConfig* rope) {
+  WithStorage(pool.keys.dtype(),
+              [&](auto traits) { write<decltype(traits)>(pool, k, v, counts, rope); });
 }
 
 }  // namespace

@@ -1,0 +1,39 @@
+// What the decode kernel reads of a KV cache: a plain view of its pages,
+// built by the entry point (api/decode.cpp) from qkv::KvCache for the length
+// of one call, so that the kernel never sees the class. The elements are in
+// the cache's storage dtype; their layout and how they widen to f32 are the
+// storage traits' (cache/storage-inl.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "qkv/dtype.hpp"
+
+namespace qkv::cache {
+
+struct KvView {
+  DType dtype = DType::f32;  // storage: which StorageTraits reads it
+  std::int64_t batch = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
+  // Tokens per page (contiguous: capacity). A page holds page_size token
+  // rows, keys [Hkv, Dk] and values [Hkv, Dv] each, contiguous.
+  std::int64_t page_size = 0;
+  std::span<const std::int64_t> lengths;  // [B]: tokens held by each sequence
+  // Page i of sequence b (the i-th entry of its block table) starts at
+  // key_pages[first_page[b] + i] and value_pages[first_page[b] + i];
+  // first_page has B + 1 entries, the last one the number of pages.
+  std::vector<const std::byte*> key_pages, value_pages;
+  std::vector<std::int64_t> first_page;
+
+  std::int64_t length(std::int64_t b) const { return lengths[static_cast<std::size_t>(b)]; }
+  const std::byte* key_page(std::int64_t b, std::int64_t i) const {
+    return key_pages[static_cast<std::size_t>(first_page[static_cast<std::size_t>(b)] + i)];
+  }
+  const std::byte* value_page(std::int64_t b, std::int64_t i) const {
+    return value_pages[static_cast<std::size_t>(first_page[static_cast<std::size_t>(b)] + i)];
+  }
+};
+
+}  // namespace qkv::cache
