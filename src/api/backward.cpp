@@ -1,11 +1,15 @@
 // Entry points of qkv::attention_backward: validate, allocate, dispatch once.
 #include "qkv/backward.hpp"
 
+#include <utility>
+#include <vector>
+
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/philox.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
@@ -80,14 +84,14 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
 // which defines it (see docs/semantics.md). Without out and lse, an
 // additive call whose one mask is key_lengths computes them inside the fast
 // backward; any other call runs the forward for them first.
-void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-         const GradientOutputs& grads, const AttentionOptions& o) {
+void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                 ConstTensorView v, ConstTensorView& out, ConstTensorView dout,
+                 ConstTensorView& lse, Tensor& forward_out, Tensor& forward_lse,
+                 const GradientOutputs& grads, const AttentionOptions& o) {
   const bool additive = o.score == Score::additive;
   const bool fast = detail::use_fast_kernels(
       o, p.dtype, !additive || detail::supports_all(detail::Path::additive_backward, o));
   bool tried_fast = false;
-  Tensor forward_out, forward_lse;
   if (!out.defined()) {
     if (fast && additive && detail::supports_all(detail::Path::additive_own_weights, o)) {
       if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, grads)) return;
@@ -105,6 +109,47 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
     return;
   }
   reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
+}
+
+// d_sinks[h] = -sum over the rows (b, i) of head h of e^(S_h - lse) D, with
+// D = <dout, out> in double (core/softmax_epilogue.hpp), for every backend
+// alike; rows outside every packed sequence take no part.
+void sink_gradients(const detail::AttentionProblem& p, ConstTensorView out, ConstTensorView dout,
+                    ConstTensorView lse, const AttentionOptions& o, TensorView d_sinks) {
+  std::vector<double> out_row(static_cast<std::size_t>(p.dv));
+  std::vector<double> dout_row(static_cast<std::size_t>(p.dv));
+  for (std::int64_t h = 0; h < p.hq; ++h) {
+    double g = 0;
+    for (std::int64_t s = 0; s < p.sequences; ++s) {
+      const detail::SequenceExtent seq = p.sequence(s, o);
+      g += detail::sink_gradient<double>(
+          o.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
+            const std::int64_t row = seq.q_begin + i;
+            for (std::int64_t c = 0; c < p.dv; ++c) {
+              const Shape at = {seq.batch, row, h, c};
+              out_row[c] =
+                  detail::load(out.data(), out.dtype(), detail::offset(at, out.strides(), 4));
+              dout_row[c] =
+                  detail::load(dout.data(), dout.dtype(), detail::offset(at, dout.strides(), 4));
+            }
+            const Shape at = {seq.batch, h, row};
+            return std::pair<double, double>{
+                detail::load(lse.data(), lse.dtype(), detail::offset(at, lse.strides(), 3)),
+                detail::row_delta(dout_row.data(), out_row.data(), p.dv)};
+          });
+    }
+    detail::store(d_sinks.data(), d_sinks.dtype(), h * d_sinks.stride(0), g);
+  }
+}
+
+// The backend's gradients, then the sinks' from out, dout and lse (the
+// forward's when the caller gave neither).
+void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+         const GradientOutputs& grads, const AttentionOptions& o) {
+  Tensor forward_out, forward_lse;
+  run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);
+  if (grads.d_sinks.defined()) sink_gradients(p, out, dout, lse, o, grads.d_sinks);
 }
 
 detail::AttentionProblem check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -134,9 +179,10 @@ AttentionGradients attention_backward(ConstTensorView q, ConstTensorView k, Cons
     g.d_additive_v = Tensor(p.stat_dtype, {p.attention_size});
     if (o.additive.bias.defined()) g.d_additive_bias = Tensor(p.stat_dtype, {p.attention_size});
   }
+  if (!o.sinks.empty()) g.d_sinks = Tensor(p.stat_dtype, {p.hq});
   run(p, q, k, v, out, dout, lse,
       {g.dq, g.dk, g.dv, g.d_relative_bias.view(), g.d_additive_w_q.view(), g.d_additive_w_k.view(),
-       g.d_additive_v.view(), g.d_additive_bias.view()},
+       g.d_additive_v.view(), g.d_additive_bias.view(), g.d_sinks.view()},
       o);
   return g;
 }

@@ -133,7 +133,8 @@ void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Ten
              qkv::detail::load(lse.view().data(), s.stat_dtype, (b * s.hq + h) * qc.length + i)),
          Real(1), piece.data()}};
     row_lse = qkv::detail::merge_softmax_parts<Real>(
-        2, dv, [&](std::int64_t p) { return parts[p]; }, merged.data());
+        2, dv, [&](std::int64_t p) { return parts[p]; }, merged.data(),
+        -std::numeric_limits<Real>::infinity());  // qkv::dist refuses sinks
     std::copy(merged.begin(), merged.end(), row);
   }
 }

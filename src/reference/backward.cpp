@@ -98,11 +98,11 @@ bool all_zero(const Real* x, std::int64_t n) {
   return std::all_of(x, x + n, [](Real e) { return e == 0; });
 }
 
-// The row's lse from its scores, finished by the epilogue
-// (core/softmax_epilogue.hpp): -inf when every score is -inf (no key
-// admitted), NaN when one is NaN or +inf.
+// The row's lse from its scores and its sink (-inf: none), finished by the
+// epilogue (core/softmax_epilogue.hpp): the sink (-inf without one) when
+// every score is -inf (no key admitted), NaN when one is NaN or +inf.
 template <class Real>
-Real logsumexp(const std::vector<Real>& scores) {
+Real logsumexp(const std::vector<Real>& scores, Real sink) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   Real max = kNegInf;
   for (const Real x : scores) max = std::isnan(x) || x > max ? x : max;
@@ -111,7 +111,7 @@ Real logsumexp(const std::vector<Real>& scores) {
   if (max != kNegInf) {
     for (const Real x : scores) sum += std::exp(x - max);
   }
-  return detail::finish_row(max, sum).lse;
+  return detail::finish_row(max, sum, sink).lse;
 }
 
 // The backward loops in arithmetic `Real`; P, dP and dS are rounded to
@@ -172,7 +172,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
             scores[j] = round_to(add_biases(head, i, j, soft_capped(o, raw_scores[j])), rounding);
           }
           const Real row_lse =
-              own_lse ? logsumexp(scores)
+              own_lse ? logsumexp(scores, detail::sink_of<Real>(o.sinks.data(), o.sinks.size(), h))
                       : static_cast<Real>(load(
                             lse.data(), lse.dtype(),
                             seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)));
