@@ -5,6 +5,7 @@
 // ignores the option. The table says which of the two each pair must give.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -206,23 +207,29 @@ void run_decode(Case& c, bool supported, Option option, const std::string& label
     }
     return;
   }
-  const Tensor got = qkv::decode_attention(q_new, cache, c.o).out;
+  AttentionOptions decode_opt = c.o;
+  decode_opt.return_lse = true;
+  const qkv::AttentionResult got = qkv::decode_attention(q_new, cache, decode_opt);
   // Decoding is causal attention of the new rows against every cached key
-  // (bottom-right by default; an option that moves them must show).
-  AttentionOptions ref_opt = c.o;
+  // (bottom-right by default; an option that moves them must show), out
+  // and lse.
+  AttentionOptions ref_opt = decode_opt;
   ref_opt.causal = true;
   ref_opt.backend = qkv::Backend::reference;
-  const Tensor ref =
+  const qkv::AttentionResult ref =
       qkv::attention(qkv::to_dtype(q_new, DType::f64), qkv::to_dtype(c.k, DType::f64),
-                     qkv::to_dtype(c.v, DType::f64), ref_opt)
-          .out;
+                     qkv::to_dtype(c.v, DType::f64), ref_opt);
   const qkv::detail::AttentionProblem p =
       qkv::detail::check_attention_inputs(q_new, c.k, c.v, ref_opt);
-  Tensor naive(DType::f32, ref.view().size_span());
-  qkv::reference::naive_attention(p, q_new, c.k, c.v, {naive, {}, {}}, ref_opt, DType::f32);
-  const double err = max_abs_diff(got, ref);
-  const double err_naive = max_abs_diff(naive, ref);
-  EXPECT_LE(err, 2 * err_naive + unit_roundoff(DType::f32) * max_abs(ref)) << label;
+  Tensor naive(DType::f32, ref.out.view().size_span());
+  Tensor naive_lse(DType::f32, ref.lse.view().size_span());
+  qkv::reference::naive_attention(p, q_new, c.k, c.v, {naive, naive_lse, {}}, ref_opt, DType::f32);
+  const double u = unit_roundoff(DType::f32);
+  EXPECT_LE(max_abs_diff(got.out, ref.out), 2 * max_abs_diff(naive, ref.out) + u * max_abs(ref.out))
+      << label << ": out";
+  EXPECT_LE(max_abs_diff(got.lse, ref.lse),
+            2 * max_abs_diff(naive_lse, ref.lse) + u * std::max(1.0, max_abs(ref.lse)))
+      << label << ": lse";
 }
 
 // The backward on Backend::fast: matches the reference, or names the option.

@@ -5,7 +5,7 @@ same kind of array, written by the kernels in place (no copies)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 from . import _arrays
 from . import _qkv
@@ -96,74 +96,71 @@ class AttentionGradients(NamedTuple):
     d_additive_bias: Any  # [A], with an additive bias
 
 
-def _window(window: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+def _window(window) -> dict:
     if window is None:
-        return -1, -1
+        return {}
     try:
         left, right = window
     except (TypeError, ValueError):
         raise TypeError(f"window: expected a pair (left, right), got {window!r}") from None
-    return int(left), int(right)
+    return {"window_left": int(left), "window_right": int(right)}
 
 
-def _options(
-    *,
-    scale=None,
-    score="scaled_dot",
-    additive=None,
-    causal=False,
-    align="bottom_right",
-    window=None,
-    key_lengths=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    mask=None,
-    alibi_slopes=None,
-    rel_bias=None,
-    softcap=0.0,
-    sparse=None,
-    dropout_p=0.0,
-    dropout_seed=0,
-    dropout_offset=0,
-    backend="automatic",
-) -> _qkv.Options:
-    o = _qkv.Options()
-    o.score = score
-    o.scale = None if scale is None else float(scale)
-    if additive is not None:
-        if not isinstance(additive, Additive):
-            additive = Additive(*additive)
-        o.additive_w_q = native(additive.w_q, "additive.w_q")
-        o.additive_w_k = native(additive.w_k, "additive.w_k")
-        o.additive_v = native(additive.v, "additive.v")
-        o.additive_bias = optional_native(additive.bias, "additive.bias")
-    o.causal = bool(causal)
-    o.align = align
-    o.window_left, o.window_right = _window(window)
-    o.key_lengths = ints(key_lengths, "key_lengths")
-    o.cu_seqlens_q = ints(cu_seqlens_q, "cu_seqlens_q")
-    o.cu_seqlens_k = ints(cu_seqlens_k, "cu_seqlens_k")
-    o.mask = optional_native(mask, "mask")
-    o.alibi_slopes = floats(alibi_slopes, "alibi_slopes")
-    if rel_bias is not None:
-        if not isinstance(rel_bias, RelativeBias):
-            rel_bias = RelativeBias(rel_bias)
-        o.rel_bias_table = native(rel_bias.table, "rel_bias.table")
-        o.rel_bias_max_distance = int(rel_bias.max_distance)
-        o.rel_bias_bidirectional = bool(rel_bias.bidirectional)
-    o.softcap = float(softcap)
-    if sparse is not None:
-        o.sparse = sparse
-    o.dropout_p = float(dropout_p)
-    o.dropout_seed = int(dropout_seed)
-    o.dropout_offset = int(dropout_offset)
-    o.backend = backend
-    return o
+def _rel_bias(rel_bias) -> dict:
+    if rel_bias is None:
+        return {}
+    if not isinstance(rel_bias, RelativeBias):
+        rel_bias = RelativeBias(rel_bias)
+    return {"relative_bias": RelativeBias(native(rel_bias.table, "rel_bias.table"),
+                                          int(rel_bias.max_distance), rel_bias.bidirectional)}
 
+
+# Python's spellings of two options: window=(left, right) sets window_left
+# and window_right, rel_bias sets relative_bias. Every other keyword is the
+# C++ option's own name (_qkv.Options.names).
+_SPELLINGS = {"window": _window, "rel_bias": _rel_bias}
+
+
+def _additive(value, name):
+    if value is None:
+        return None
+    if not isinstance(value, Additive):
+        value = Additive(*value)
+    return Additive(native(value.w_q, name + ".w_q"), native(value.w_k, name + ".w_k"),
+                    native(value.v, name + ".v"), optional_native(value.bias, name + ".bias"))
+
+
+# How a value of each kind of option crosses into the native Options (the
+# kinds of _qkv.Options.kinds): arrays as native arrays, integer and float
+# metadata as contiguous int64 and float32.
+_CROSSING = {
+    "array": optional_native,
+    "ints": ints,
+    "floats": floats,
+    "additive": _additive,
+    "relative_bias": lambda value, name: _rel_bias(value).get("relative_bias"),
+}
+
+
+def _options(**options) -> _qkv.Options:
+    """The native Options of qkv.attention's keywords (checked by name and
+    type there: an unknown keyword raises TypeError)."""
+    named = {}
+    for name, value in options.items():
+        spelling = _SPELLINGS.get(name)
+        if spelling is not None:
+            named.update(spelling(value))
+            continue
+        crossing = _CROSSING.get(_KINDS.get(name))
+        named[name] = value if crossing is None else crossing(value, name)
+    return _qkv.Options(**named)
+
+
+_KINDS = _qkv.Options.kinds
 
 # Options are never changed once built: calls with every option at its
 # default share this one.
-_DEFAULT_OPTIONS = _options()
+_DEFAULT_OPTIONS = _qkv.Options()
 
 
 def _shape(x: Any, name: str, rank: int) -> Tuple[int, ...]:
@@ -173,32 +170,7 @@ def _shape(x: Any, name: str, rank: int) -> Tuple[int, ...]:
     return shape
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    scale: Optional[float] = None,
-    score: str = "scaled_dot",
-    additive: Optional[Additive] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths: Optional[Sequence[int]] = None,
-    cu_seqlens_q: Optional[Sequence[int]] = None,
-    cu_seqlens_k: Optional[Sequence[int]] = None,
-    mask=None,
-    alibi_slopes=None,
-    rel_bias=None,
-    softcap: float = 0.0,
-    sparse: Optional[SparsePattern] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
-    return_lse: bool = False,
-    return_probs: bool = False,
-    backend: str = "automatic",
-):
+def attention(q, k, v, *, return_lse: bool = False, return_probs: bool = False, **options):
     """softmax(f(q, k) + biases, masked) v, as qkv::attention (qkv/attention.hpp).
 
     Shapes (qkv's layout, FlashAttention's):
@@ -209,38 +181,32 @@ def attention(
         lse  [B, Hq, Nq]        float32 (float64 for float64 q), with return_lse
         probs [B, Hq, Nq, Nk]   float32 (float64), with return_probs
 
-    Options (defaults mean "off"): scale (default 1/sqrt(Dk)); score
-    "scaled_dot", "dot" or "additive" (with additive=Additive(w_q, w_k, v,
-    bias)); causal with align "bottom_right" (FlashAttention) or "top_left"
-    (PyTorch's is_causal); window=(left, right), -1 unbounded; key_lengths
-    [B]; cu_seqlens_q / cu_seqlens_k [S + 1] for packed sequences (B = 1);
-    mask, bool (True = attend) or float (added), broadcast to [B, Hq, Nq, Nk];
-    alibi_slopes [Hq] or [B, Hq]; rel_bias, a [Hq, buckets] table or
-    RelativeBias(table, max_distance, bidirectional); softcap c (c tanh(s/c));
-    sparse, a SparsePattern; dropout_p with dropout_seed / dropout_offset;
-    backend "automatic", "fast" or "reference".
+    Options are keywords named as the fields of qkv::AttentionOptions, every
+    default meaning "off" (the list below). Python spells two of them its
+    own way: window=(left, right) for window_left and window_right (-1:
+    unbounded), rel_bias for relative_bias (a [Hq, buckets] table or
+    RelativeBias(table, max_distance, bidirectional)). Enumerations are
+    strings ("scaled_dot", "dot", "additive"; "bottom_right", "top_left";
+    "automatic", "fast", "reference"); additive=Additive(w_q, w_k, v, bias)
+    with score="additive".
 
     Returns out, or AttentionResult(out, lse, probs) when return_lse or
     return_probs (the one not asked for is None).
     """
-    if (
-        scale is None and score == "scaled_dot" and additive is None and causal is False
-        and align == "bottom_right" and window is None and key_lengths is None
-        and cu_seqlens_q is None and cu_seqlens_k is None and mask is None
-        and alibi_slopes is None and rel_bias is None and softcap == 0.0 and sparse is None
-        and dropout_p == 0.0 and dropout_seed == 0 and dropout_offset == 0
-        and backend == "automatic"
-    ):
-        o = _DEFAULT_OPTIONS  # every option at its default: nothing to convert
-    else:
-        o = _options(
-            scale=scale, score=score, additive=additive, causal=causal, align=align,
-            window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
-            rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
-            dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
-        )
+    o = _options(**options) if options else _DEFAULT_OPTIONS
     return attention_with(q, k, v, o, return_lse=return_lse, return_probs=return_probs)
+
+
+def _option_list() -> str:
+    """The options' documentation, from qkv::AttentionOptions' rows."""
+    lines = []
+    for name in _qkv.Options.names:
+        doc = getattr(_qkv.Options, name).__doc__ or ""
+        lines.append(f"        {name}: {doc.strip()}")
+    return "\n".join(lines)
+
+
+attention.__doc__ += "\n    Options:\n" + _option_list() + "\n"
 
 
 def attention_with(q, k, v, o: _qkv.Options, *, return_lse=False, return_probs=False, out=None):
@@ -272,33 +238,7 @@ def attention_with(q, k, v, o: _qkv.Options, *, return_lse=False, return_probs=F
     return out
 
 
-def attention_backward(
-    q,
-    k,
-    v,
-    out,
-    dout,
-    lse,
-    *,
-    scale: Optional[float] = None,
-    score: str = "scaled_dot",
-    additive: Optional[Additive] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    mask=None,
-    alibi_slopes=None,
-    rel_bias=None,
-    softcap: float = 0.0,
-    sparse: Optional[SparsePattern] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
-    backend: str = "automatic",
-) -> AttentionGradients:
+def attention_backward(q, k, v, out, dout, lse, **options) -> AttentionGradients:
     """Gradients of attention(q, k, v, **options) given its out and lse and
     dout = dLoss/dout, as qkv::attention_backward (qkv/backward.hpp). The
     options must be the forward's. out and lse may both be None: the
@@ -306,14 +246,10 @@ def attention_backward(
     with key_lengths as the one mask). Returns AttentionGradients(dq, dk, dv,
     d_rel_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
     d_additive_bias); the parameter gradients are None unless used."""
-    o = _options(
-        scale=scale, score=score, additive=additive, causal=causal, align=align,
-        window=window, key_lengths=key_lengths, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, mask=mask, alibi_slopes=alibi_slopes,
-        rel_bias=rel_bias, softcap=softcap, sparse=sparse, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend,
-    )
-    return attention_backward_with(q, k, v, out, dout, lse, o, additive=additive, rel_bias=rel_bias)
+    o = _options(**options)
+    return attention_backward_with(q, k, v, out, dout, lse, o,
+                                   additive=options.get("additive"),
+                                   rel_bias=options.get("rel_bias", options.get("relative_bias")))
 
 
 def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bias=None,
@@ -373,25 +309,15 @@ class KvCache(_qkv.KvCache):
                           rope_interleaved, rotary_dim)
 
 
-def decode_attention(
-    q,
-    cache: KvCache,
-    *,
-    scale: Optional[float] = None,
-    softcap: float = 0.0,
-    alibi_slopes=None,
-    window: Optional[Tuple[int, int]] = None,
-    sparse: Optional[SparsePattern] = None,
-    return_lse: bool = False,
-    backend: str = "automatic",
-):
+def decode_attention(q, cache: KvCache, *, return_lse: bool = False, **options):
     """The newest n tokens' queries q [B, n, Hq, Dk] (1 <= n <= 16) against
-    everything `cache` holds, causally (qkv/decode.hpp). `sparse` takes
-    patterns of positions (windows, global tokens, prefix_lm; not block
-    layouts). Returns out [B, n, Hq, Dv], or (out, lse [B, Hq, n]) with
-    return_lse."""
-    o = _options(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
-                 sparse=sparse, backend=backend)
+    everything `cache` holds, causally (qkv/decode.hpp). Options as
+    qkv.attention's; decoding takes scale, score="dot", softcap,
+    alibi_slopes, window=(left, -1), sparse patterns of positions (windows,
+    global tokens, prefix_lm; not block layouts) and backend, and refuses
+    the others by name. Returns out [B, n, Hq, Dv], or (out, lse [B, Hq, n])
+    with return_lse."""
+    o = _options(**options)
     b, n, hq, _ = _shape(q, "q", 4)
     out = empty(q, (b, n, hq, cache.value_dim))
     lse = empty(q, (b, hq, n), "stat") if return_lse else None

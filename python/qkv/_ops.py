@@ -1,5 +1,5 @@
 """qkv's attention as PyTorch operators: `torch.ops.qkv.attention` and
-`torch.ops.qkv.attention_backward`, registered with torch.library.custom_op,
+`torch.ops.qkv.attention_backward`, defined with torch.library from the options' rows,
 with autograd (the fused backward) and fake kernels (shapes for
 torch.compile). The drop-in modules (qkv.torch, qkv.flash_attn, qkv.nn) call
 `attention` below. Tensors are in qkv's layout [B, N, H, D]."""
@@ -12,82 +12,76 @@ import torch
 from torch import Tensor
 
 from . import _api
+from . import _qkv
 
 _STAT = {torch.float64: torch.float64}
 
-
-def _options(mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k, scale, causal,
-             top_left, window_left, window_right, softcap, dropout_p, dropout_seed):
-    return _api._options(
-        scale=scale, causal=causal, align="top_left" if top_left else "bottom_right",
-        window=(window_left, window_right), key_lengths=key_lengths,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, mask=mask,
-        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
+# The operators' option arguments: every option of qkv::AttentionOptions
+# that PyTorch's schema language can carry, with the C++ defaults
+# (_qkv.Options.schema): tensors after q, k, v (positional, so that autograd
+# sees them: a float mask has a gradient), the rest keyword-only.
+_SCHEMA = _qkv.Options.schema
+_TENSORS = tuple(name for name, kind, _ in _SCHEMA if kind == "Tensor?")
+_SCALARS = tuple(name for name, kind, _ in _SCHEMA if kind != "Tensor?")
 
 
-@torch.library.custom_op("qkv::attention", mutates_args=(), device_types="cpu")
-def _attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
-    key_lengths: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor], scale: Optional[float], causal: bool, top_left: bool,
-    window_left: int, window_right: int, softcap: float, dropout_p: float, dropout_seed: int,
-) -> Tuple[Tensor, Tensor]:
-    o = _options(mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k, scale, causal,
-                 top_left, window_left, window_right, softcap, dropout_p, dropout_seed)
+def _arguments() -> str:
+    tensors = "".join(f", Tensor? {name}=None" for name in _TENSORS)
+    scalars = ", ".join(f"{kind} {name}={default}" for name, kind, default in _SCHEMA
+                        if name in _SCALARS)
+    return f"{tensors}, *, {scalars}"
+
+
+torch.library.define("qkv::attention",
+                     f"(Tensor q, Tensor k, Tensor v{_arguments()}) -> (Tensor, Tensor)")
+torch.library.define(
+    "qkv::attention_backward",
+    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse{_arguments()}) "
+    "-> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("qkv::attention", "cpu")
+def _attention(q: Tensor, k: Tensor, v: Tensor, *tensors, **options) -> Tuple[Tensor, Tensor]:
+    o = _api._options(**dict(zip(_TENSORS, tensors)), **options)
     r = _api.attention_with(q, k, v, o, return_lse=True)
     return r.out, r.lse
 
 
-@_attention.register_fake
-def _(q, k, v, mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k, scale, causal,
-      top_left, window_left, window_right, softcap, dropout_p, dropout_seed):
+@torch.library.register_fake("qkv::attention")
+def _(q, k, v, *tensors, **options):
     b, nq, hq, _ = q.shape
     out = q.new_empty((b, nq, hq, v.shape[3]))
     lse = q.new_empty((b, hq, nq), dtype=_STAT.get(q.dtype, torch.float32))
     return out, lse
 
 
-@torch.library.custom_op("qkv::attention_backward", mutates_args=(), device_types="cpu")
-def _attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    mask: Optional[Tensor], alibi_slopes: Optional[Tensor], key_lengths: Optional[Tensor],
-    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], scale: Optional[float],
-    causal: bool, top_left: bool, window_left: int, window_right: int, softcap: float,
-    dropout_p: float, dropout_seed: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    o = _options(mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k, scale, causal,
-                 top_left, window_left, window_right, softcap, dropout_p, dropout_seed)
+@torch.library.impl("qkv::attention_backward", "cpu")
+def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        *tensors, **options) -> Tuple[Tensor, Tensor, Tensor]:
+    o = _api._options(**dict(zip(_TENSORS, tensors)), **options)
     g = _api.attention_backward_with(q, k, v, out, dout, lse, o)
     return g.dq, g.dk, g.dv
 
 
-@_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, *args):
+@torch.library.register_fake("qkv::attention_backward")
+def _(dout, q, k, v, out, lse, *tensors, **options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_OPTION_NAMES = ("scale", "causal", "top_left", "window_left", "window_right", "softcap",
-                 "dropout_p", "dropout_seed")
-
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k, *options) = inputs
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, *tensors = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, key_lengths, cu_seqlens_q,
-                          cu_seqlens_k)
-    ctx.options = tuple(options)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.options = dict(keyword_only_inputs)
     ctx.set_materialize_grads(False)
 
 
 def _mask_gradient(ctx, dout, q, k, v, out, mask, tensors):
     """dLoss/dmask for a float mask: dS = P (dP - D) summed over the
     dimensions the mask broadcasts along."""
-    scale, causal, top_left, wl, wr, softcap, dropout_p, seed = ctx.options
-    if dropout_p > 0:
+    if ctx.options["dropout_p"] > 0:
         raise NotImplementedError("qkv: the gradient of a float mask with dropout is not supported")
-    o = _options(*tensors, scale, causal, top_left, wl, wr, softcap, 0.0, seed)
+    o = _api._options(**{**ctx.options, **tensors, "dropout_p": 0.0})
     probs = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=True).probs
     group = q.shape[2] // k.shape[2]
     dt = probs.dtype  # float32, float64 for float64 inputs
@@ -109,20 +103,20 @@ def _backward(ctx, dout, dlse):
         raise NotImplementedError(
             "qkv: attention's lse is not differentiable; detach it before using it in a loss"
         )
-    q, k, v, out, lse, mask, alibi_slopes, key_lengths, cu_q, cu_k = ctx.saved_tensors
-    n = 8 + len(_OPTION_NAMES)
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    tensors = dict(zip(_TENSORS, saved))
     if dout is None:
-        return (None,) * n
-    tensors = (mask, alibi_slopes, key_lengths, cu_q, cu_k)
+        return (None,) * (3 + len(_TENSORS))
     dq, dk, dv = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out, lse,
-                                                  *tensors, *ctx.options)
-    dmask = None
-    if mask is not None and ctx.needs_input_grad[3]:
-        dmask = _mask_gradient(ctx, dout, q, k, v, out, mask, tensors)
-    return (dq, dk, dv, dmask) + (None,) * (n - 4)
+                                                  **tensors, **ctx.options)
+    grads = {}
+    mask = tensors.get("mask")
+    if mask is not None and ctx.needs_input_grad[3 + _TENSORS.index("mask")]:
+        grads["mask"] = _mask_gradient(ctx, dout, q, k, v, out, mask, tensors)
+    return (dq, dk, dv) + tuple(grads.get(n) for n in _TENSORS)
 
 
-_attention.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("qkv::attention", _backward, setup_context=_setup_context)
 
 
 def dropout_seed_from_torch() -> int:
@@ -131,25 +125,24 @@ def dropout_seed_from_torch() -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
-def attention(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
-    alibi_slopes: Optional[Tensor] = None, key_lengths: Optional[Tensor] = None,
-    cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-    scale: Optional[float] = None, causal: bool = False, top_left: bool = False,
-    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout_p: float = 0.0,
-    dropout_seed: Optional[int] = None,
-) -> Tuple[Tensor, Tensor]:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, window: Optional[Tuple[int, int]] = None,
+              dropout_seed: Optional[int] = None, **options) -> Tuple[Tensor, Tensor]:
     """Differentiable attention on torch tensors in qkv's layout: q [B, Nq,
     Hq, D], k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv] -> (out [B, Nq, Hq, Dv],
-    lse [B, Hq, Nq]). Gradients flow to q, k, v and a float mask. Without a
-    dropout_seed, dropout draws one from torch's generator (so
-    torch.manual_seed makes it reproducible)."""
-    if dropout_p > 0 and dropout_seed is None:
+    lse [B, Hq, Nq]). Options as qkv.attention's, those the operator
+    carries (tensors, numbers and strings; window=(left, right) too).
+    Gradients flow to q, k, v and a float mask. Without a dropout_seed,
+    dropout draws one from torch's generator (so torch.manual_seed makes it
+    reproducible)."""
+    if options.get("dropout_p", 0.0) > 0 and dropout_seed is None:
         dropout_seed = dropout_seed_from_torch()
-    if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
-        alibi_slopes = alibi_slopes.float()
-    return torch.ops.qkv.attention(
-        q, k, v, mask, alibi_slopes, key_lengths, cu_seqlens_q, cu_seqlens_k,
-        None if scale is None else float(scale), bool(causal), bool(top_left), int(window[0]),
-        int(window[1]), float(softcap), float(dropout_p), int(dropout_seed or 0),
-    )
+    if window is not None:
+        options["window_left"], options["window_right"] = int(window[0]), int(window[1])
+    for name in _TENSORS:
+        x = options.get(name)
+        if x is not None and not isinstance(x, Tensor):
+            options[name] = torch.as_tensor(x)
+    slopes = options.get("alibi_slopes")
+    if slopes is not None and slopes.dtype != torch.float32:
+        options["alibi_slopes"] = slopes.float()
+    return torch.ops.qkv.attention(q, k, v, dropout_seed=int(dropout_seed or 0), **options)

@@ -49,7 +49,7 @@ installed, Debian's libopenmpi-dev) and mpi4py built for the same MPI.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Tuple
 
 from . import _api, _arrays, _qkv
 from ._api import AttentionGradients, AttentionResult
@@ -265,18 +265,8 @@ def ring_attention(
     comm: "Intracomm",
     *,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths: Optional[Sequence[int]] = None,
-    alibi_slopes=None,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
     return_lse: bool = False,
-    backend: str = "automatic",
+    **options,
 ):
     """Ring attention (Liu et al., 2023) over the ranks of `comm`, an mpi4py
     intracommunicator, as qkv::dist::ring_attention. Collective.
@@ -294,12 +284,11 @@ def ring_attention(
     travel around the ring, each transfer overlapped with the kernel on the
     previous shard; a rank computes only the pieces its masks admit.
 
-    Options as qkv.attention's, of the whole problem: scale (default
-    1/sqrt(Dk)); causal with align "bottom_right" or "top_left"; window=(left,
-    right), -1 unbounded; key_lengths [B], each <= Nk = R nk; alibi_slopes
-    [Hq] or [B, Hq]; softcap; dropout_p with dropout_seed / dropout_offset
-    (the same mask as one qkv.attention call); backend "automatic", "fast" or
-    "reference".
+    Options as qkv.attention's keywords, of the whole problem; qkv::dist
+    takes scale, score="dot", causal with align, window=(left, right),
+    key_lengths [B] (each <= Nk = R nk), alibi_slopes [Hq] or [B, Hq],
+    softcap, dropout_p with dropout_seed / dropout_offset (the same mask as
+    one qkv.attention call) and backend, and refuses the others by name.
 
     Returns out, or AttentionResult(out, lse, None) with return_lse; the kind
     of array q is. With torch tensors that require grad, out is
@@ -307,9 +296,7 @@ def ring_attention(
     """
     return _attend(
         "ring_attention", q, k, v, comm, layout, return_lse,
-        dict(scale=scale, causal=causal, align=align, window=window, key_lengths=key_lengths,
-             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-             dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend),
+        options,
     )
 
 
@@ -319,18 +306,8 @@ def ulysses_attention(
     v,
     comm: "Intracomm",
     *,
-    scale: Optional[float] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths: Optional[Sequence[int]] = None,
-    alibi_slopes=None,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
     return_lse: bool = False,
-    backend: str = "automatic",
+    **options,
 ):
     """All-to-all attention (DeepSpeed-Ulysses) over the ranks of `comm`, as
     qkv::dist::ulysses_attention. Collective.
@@ -346,9 +323,7 @@ def ulysses_attention(
     """
     return _attend(
         "ulysses_attention", q, k, v, comm, None, return_lse,
-        dict(scale=scale, causal=causal, align=align, window=window, key_lengths=key_lengths,
-             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-             dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend),
+        options,
     )
 
 
@@ -362,17 +337,7 @@ def ring_attention_backward(
     comm: "Intracomm",
     *,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths: Optional[Sequence[int]] = None,
-    alibi_slopes=None,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
-    backend: str = "automatic",
+    **options,
 ) -> AttentionGradients:
     """Gradients of ring_attention, as qkv::dist::ring_attention_backward
     (what autograd runs; for NumPy arrays). Collective. Takes this rank's
@@ -383,9 +348,7 @@ def ring_attention_backward(
     thread count."""
     return _gradients(
         "ring_attention_backward", q, k, v, out, dout, lse, comm, layout,
-        dict(scale=scale, causal=causal, align=align, window=window, key_lengths=key_lengths,
-             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-             dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend),
+        options,
     )
 
 
@@ -397,25 +360,12 @@ def ulysses_attention_backward(
     dout,
     lse,
     comm: "Intracomm",
-    *,
-    scale: Optional[float] = None,
-    causal: bool = False,
-    align: str = "bottom_right",
-    window: Optional[Tuple[int, int]] = None,
-    key_lengths: Optional[Sequence[int]] = None,
-    alibi_slopes=None,
-    softcap: float = 0.0,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
-    backend: str = "automatic",
+    **options,
 ) -> AttentionGradients:
     """Gradients of ulysses_attention, as
     qkv::dist::ulysses_attention_backward; arguments and result as
     ring_attention_backward's (contiguous shards). Collective."""
     return _gradients(
         "ulysses_attention_backward", q, k, v, out, dout, lse, comm, None,
-        dict(scale=scale, causal=causal, align=align, window=window, key_lengths=key_lengths,
-             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-             dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend),
+        options,
     )

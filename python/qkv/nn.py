@@ -233,7 +233,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             mask = self._qkv_mask(attn_mask, key_padding_mask, batch, batched, extra, q.dtype)
         dropout_p = self.dropout if self.training else 0.0
         out, _ = _ops.attention(
-            q, k, v, mask=mask, scale=None, causal=causal, top_left=True, dropout_p=dropout_p
+            q, k, v, mask=mask, causal=causal, align="top_left", dropout_p=dropout_p
         )
         if seq_first:
             out = out.transpose(0, 1)

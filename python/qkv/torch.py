@@ -178,8 +178,8 @@ def _operator_backward(grad_out, query, key, value, mask, out, lse, scale, is_ca
         mask = _mask_4d(mask, batch, hq, length, key.shape[-2])
     grads = torch.ops.qkv.attention_backward(
         to_qkv(grad_out), to_qkv(query), to_qkv(key), to_qkv(value), to_qkv(out),
-        lse.reshape(b, hq, length), mask, None, None, None, None, scale, is_causal, True, -1, -1,
-        0.0, dropout_p, seed)
+        lse.reshape(b, hq, length), mask=mask, scale=scale, causal=is_causal, align="top_left",
+        dropout_p=dropout_p, dropout_seed=seed)
     return tuple(g.transpose(1, 2).reshape(t.shape) for g, t in zip(grads, (query, key, value)))
 
 
@@ -327,7 +327,8 @@ def _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         scale = 1.0  # empty dot products score 0 for any scale (sdpa_exchange does the same)
     try:
         out, _ = _ops.attention(to_qkv(query), to_qkv(key), to_qkv(value), mask=mask,
-                                scale=scale, causal=is_causal, top_left=top_left,
+                                scale=scale, causal=is_causal,
+                                align="top_left" if top_left else "bottom_right",
                                 dropout_p=dropout_p, dropout_seed=seed)
     except ValueError as e:
         if isinstance(e, ArgumentError):

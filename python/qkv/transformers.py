@@ -201,7 +201,8 @@ def attention_forward(
     if trains or dropout > 0:
         out, _ = _ops.attention(
             q, k, v, mask=options["mask"], key_lengths=options["key_lengths"], scale=scale,
-            causal=options["causal"], top_left=options["top_left"],
+            causal=options["causal"],
+            align="top_left" if options["top_left"] else "bottom_right",
             window=(options["window_left"], -1 if options["window_left"] < 0 else 0),
             softcap=cap, dropout_p=float(dropout))
         if wants_weights:

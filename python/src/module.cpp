@@ -161,32 +161,7 @@ NB_MODULE(_qkv, m) {
         return "SparsePattern(" + (p.defined() ? p.describe() : std::string("off")) + ")";
       });
 
-  nb::class_<Options>(m, "Options", "Every option of qkv::AttentionOptions (see qkv.attention).")
-      .def(nb::init<>())
-      .def_rw("score", &Options::score)
-      .def_rw("scale", &Options::scale)
-      .def_rw("additive_w_q", &Options::additive_w_q)
-      .def_rw("additive_w_k", &Options::additive_w_k)
-      .def_rw("additive_v", &Options::additive_v)
-      .def_rw("additive_bias", &Options::additive_bias)
-      .def_rw("causal", &Options::causal)
-      .def_rw("align", &Options::align)
-      .def_rw("window_left", &Options::window_left)
-      .def_rw("window_right", &Options::window_right)
-      .def_rw("key_lengths", &Options::key_lengths)
-      .def_rw("cu_seqlens_q", &Options::cu_seqlens_q)
-      .def_rw("cu_seqlens_k", &Options::cu_seqlens_k)
-      .def_rw("mask", &Options::mask)
-      .def_rw("alibi_slopes", &Options::alibi_slopes)
-      .def_rw("rel_bias_table", &Options::rel_bias_table)
-      .def_rw("rel_bias_max_distance", &Options::rel_bias_max_distance)
-      .def_rw("rel_bias_bidirectional", &Options::rel_bias_bidirectional)
-      .def_rw("softcap", &Options::softcap)
-      .def_rw("dropout_p", &Options::dropout_p)
-      .def_rw("dropout_seed", &Options::dropout_seed)
-      .def_rw("dropout_offset", &Options::dropout_offset)
-      .def_rw("backend", &Options::backend)
-      .def_rw("sparse", &Options::sparse);
+  bind_options(m);
 
   m.def("attention_into", &attention_into_py, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
         "probs"_a.none(), "options"_a,

@@ -239,7 +239,7 @@ def test_errors_carry_the_cpp_message(comm):
         distributed.ring_attention(q, k[..., :8], v, comm)
     with pytest.raises(ValueError, match="Layout::zigzag expects an even number of rows per rank"):
         distributed.ring_attention(q[:, :7], k[:, :7], v[:, :7], comm, layout="zigzag")
-    with pytest.raises(ValueError, match="qkv::dist::ulysses_attention, rank 0 of 1: align: "
+    with pytest.raises(ValueError, match="align: "
                                          "expected 'bottom_right' or 'top_left', got 'x'"):
         distributed.ulysses_attention(q, k, v, comm, align="x")
     with pytest.raises(ValueError, match=r"options.key_lengths\[0\]: expected a length in "
@@ -265,9 +265,20 @@ def test_bad_communicators(comm):
 
 def test_not_every_option_is_taken(comm):
     q, k, v = problem()
-    for name in ("mask", "cu_seqlens_q", "sparse", "rel_bias", "return_probs"):
-        with pytest.raises(TypeError, match=name):
-            distributed.ring_attention(q, k, v, comm, **{name: None})
+    refused = {
+        "mask": np.ones((1, 1, 16, 16), bool),
+        "cu_seqlens_q": [0, 16],
+        "sparse": qkv.SparsePattern.window(2, 0),
+        "rel_bias": np.zeros((4, 8), np.float32),
+        "return_probs": True,
+    }
+    for name, value in refused.items():
+        option = "relative_bias" if name == "rel_bias" else name
+        with pytest.raises(ValueError, match=f"options.{option}: not supported by "
+                                             "qkv::dist::ring_attention"):
+            distributed.ring_attention(q, k, v, comm, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        distributed.ring_attention(q, k, v, comm, bogus=1)
 
 
 def error_bound(single, exact, merges):

@@ -115,7 +115,7 @@ def test_opcheck():
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)
     torch.library.opcheck(
         torch.ops.qkv.attention.default,
-        (q, k, v, None, None, None, None, None, None, True, False, -1, -1, 0.0, 0.0, 0))
+        (q, k, v), {"causal": True, "window_left": 3, "softcap": 2.0})
 
 
 def test_compiles_without_graph_breaks():
@@ -211,7 +211,7 @@ def test_fast_path_and_operator_agree_bitwise(grad):
         torch.manual_seed(3)
         layout = [t.transpose(1, 2) for t in inputs]
         op, _ = _ops.attention(*layout, mask=None if "attn_mask" not in kwargs else mask,
-                               causal=kwargs.get("is_causal", False), top_left=True,
+                               causal=kwargs.get("is_causal", False), align="top_left",
                                dropout_p=kwargs.get("dropout_p", 0.0))
         assert torch.equal(fast, op.transpose(1, 2))
         if grad:
