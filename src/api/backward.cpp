@@ -1,15 +1,11 @@
 // Entry points of qkv::attention_backward: validate, allocate, dispatch once.
 #include "qkv/backward.hpp"
 
-#include <utility>
-#include <vector>
-
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/philox.hpp"
-#include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
@@ -111,37 +107,6 @@ void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
 }
 
-// d_sinks[h] = -sum over the rows (b, i) of head h of e^(S_h - lse) D, with
-// D = <dout, out> in double (core/softmax_epilogue.hpp), for every backend
-// alike; rows outside every packed sequence take no part.
-void sink_gradients(const detail::AttentionProblem& p, ConstTensorView out, ConstTensorView dout,
-                    ConstTensorView lse, const AttentionOptions& o, TensorView d_sinks) {
-  std::vector<double> out_row(static_cast<std::size_t>(p.dv));
-  std::vector<double> dout_row(static_cast<std::size_t>(p.dv));
-  for (std::int64_t h = 0; h < p.hq; ++h) {
-    double g = 0;
-    for (std::int64_t s = 0; s < p.sequences; ++s) {
-      const detail::SequenceExtent seq = p.sequence(s, o);
-      g += detail::sink_gradient<double>(
-          o.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
-            const std::int64_t row = seq.q_begin + i;
-            for (std::int64_t c = 0; c < p.dv; ++c) {
-              const Shape at = {seq.batch, row, h, c};
-              out_row[c] =
-                  detail::load(out.data(), out.dtype(), detail::offset(at, out.strides(), 4));
-              dout_row[c] =
-                  detail::load(dout.data(), dout.dtype(), detail::offset(at, dout.strides(), 4));
-            }
-            const Shape at = {seq.batch, h, row};
-            return std::pair<double, double>{
-                detail::load(lse.data(), lse.dtype(), detail::offset(at, lse.strides(), 3)),
-                detail::row_delta(dout_row.data(), out_row.data(), p.dv)};
-          });
-    }
-    detail::store(d_sinks.data(), d_sinks.dtype(), h * d_sinks.stride(0), g);
-  }
-}
-
 // The backend's gradients, then the sinks' from out, dout and lse (the
 // forward's when the caller gave neither).
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -149,7 +114,7 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          const GradientOutputs& grads, const AttentionOptions& o) {
   Tensor forward_out, forward_lse;
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);
-  if (grads.d_sinks.defined()) sink_gradients(p, out, dout, lse, o, grads.d_sinks);
+  if (grads.d_sinks.defined()) reference::sink_gradients(p, out, dout, lse, o, grads.d_sinks);
 }
 
 detail::AttentionProblem check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,

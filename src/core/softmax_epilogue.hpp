@@ -59,7 +59,7 @@ struct RowFinish {
 // The finish of a row with running maximum m and sum l, and the row's sink
 // logit (-inf: none; see above).
 template <class Real>
-RowFinish<Real> finish_row(Real m, Real l, Real sink) {
+RowFinish<Real> finish_row(Real m, Real l, Real sink = -std::numeric_limits<Real>::infinity()) {
   if (sink == -std::numeric_limits<Real>::infinity()) {
     if (l == Real(0)) return {Real(0), -std::numeric_limits<Real>::infinity()};
     return {Real(1) / l, m + std::log(l)};
@@ -89,7 +89,8 @@ struct SoftmaxPart {
 // into out[0, dv) and returns its lse; `sink` (-inf: none) enters the merged
 // row's finish.
 template <class Real, class PartAt>
-Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real* out, Real sink) {
+Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real* out,
+                         Real sink = -std::numeric_limits<Real>::infinity()) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   Real top = kNegInf;
   for (std::int64_t s = 0; s < parts; ++s) {

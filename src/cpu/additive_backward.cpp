@@ -72,7 +72,6 @@ HWY_AFTER_NAMESPACE();
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "core/gemm.hpp"
@@ -170,9 +169,7 @@ void WeightsFromScores(float* s, std::int64_t keys) {
   const float m = *std::max_element(s, s + keys);
   float sum = 0.0f;
   for (std::int64_t c = 0; c < keys; ++c) sum += std::exp(s[c] - m);
-  // No sink: a call with sinks takes its weights from the probabilities pass
-  // (the capability table's additive_own_weights column).
-  const float row_lse = detail::finish_row(m, sum, -std::numeric_limits<float>::infinity()).lse;
+  const float row_lse = detail::finish_row(m, sum).lse;
   for (std::int64_t c = 0; c < keys; ++c) s[c] = detail::weight_from_lse(s[c], row_lse);
 }
 

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/elements.hpp"
@@ -266,6 +267,32 @@ void attention_backward(const detail::AttentionProblem& p, ConstTensorView q, Co
   // the caller's (f32, half an ulp of |lse| off in the exponent), unless the
   // keys are only a block of the row's (a piece of a larger call).
   backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64, !o.shard.partial_keys);
+}
+
+void sink_gradients(const detail::AttentionProblem& p, ConstTensorView out, ConstTensorView dout,
+                    ConstTensorView lse, const AttentionOptions& o, TensorView d_sinks) {
+  std::vector<double> out_row(static_cast<std::size_t>(p.dv));
+  std::vector<double> dout_row(static_cast<std::size_t>(p.dv));
+  for (std::int64_t h = 0; h < p.hq; ++h) {
+    double g = 0;
+    for (std::int64_t s = 0; s < p.sequences; ++s) {
+      const detail::SequenceExtent seq = p.sequence(s, o);
+      g += detail::sink_gradient<double>(
+          o.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
+            const std::int64_t row = seq.q_begin + i;
+            for (std::int64_t c = 0; c < p.dv; ++c) {
+              const Shape at = {seq.batch, row, h, c};
+              out_row[c] = load(out.data(), out.dtype(), detail::offset(at, out.strides(), 4));
+              dout_row[c] = load(dout.data(), dout.dtype(), detail::offset(at, dout.strides(), 4));
+            }
+            const Shape at = {seq.batch, h, row};
+            return std::pair<double, double>{
+                load(lse.data(), lse.dtype(), detail::offset(at, lse.strides(), 3)),
+                detail::row_delta(dout_row.data(), out_row.data(), p.dv)};
+          });
+    }
+    detail::store(d_sinks.data(), d_sinks.dtype(), h * d_sinks.stride(0), g);
+  }
 }
 
 void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView q,
