@@ -47,6 +47,8 @@ OPTIONS = [
     {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
     {"softcap": 2.0},
     {"scale": 0.7},
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+    {"sinks": [3.0, -np.inf, 0.25, -2.0], "key_lengths": [0, 5], "causal": True},
 ]
 
 
