@@ -29,9 +29,11 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/validate.hpp"
+#include "core/softmax_epilogue.hpp"
 #include "error_bound.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
@@ -157,6 +159,33 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
 
 inline Tensor f64(ConstTensorView t) { return qkv::to_dtype(t, DType::f64); }
 
+// d_sinks [Hq] in double from a forward's out and lse and dout, by the
+// epilogue's formula (core/softmax_epilogue.hpp, sink_gradient).
+inline Tensor sink_gradients_of(const qkv::detail::AttentionProblem& p, ConstTensorView out,
+                                ConstTensorView dout, ConstTensorView lse,
+                                const AttentionOptions& opt) {
+  Tensor g(DType::f64, {p.hq});
+  std::vector<double> o(static_cast<std::size_t>(p.dv)), d(static_cast<std::size_t>(p.dv));
+  for (std::int64_t h = 0; h < p.hq; ++h) {
+    double sum = 0;
+    for (std::int64_t s = 0; s < p.sequences; ++s) {
+      const qkv::detail::SequenceExtent seq = p.sequence(s, opt);
+      sum += qkv::detail::sink_gradient<double>(
+          opt.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
+            const std::int64_t row = seq.q_begin + i;
+            for (std::int64_t c = 0; c < p.dv; ++c) {
+              o[c] = out.get({seq.batch, row, h, c});
+              d[c] = dout.get({seq.batch, row, h, c});
+            }
+            return std::pair<double, double>{lse.get({seq.batch, h, row}),
+                                             qkv::detail::row_delta(d.data(), o.data(), p.dv)};
+          });
+    }
+    g.set({h}, sum);
+  }
+  return g;
+}
+
 // max_j sum_i P_ij over the query heads of a KV head: the most weight one
 // key (its dk and dv) receives. probs [B, Hq, Nq, Nk].
 inline double key_mass(ConstTensorView probs, const qkv::detail::AttentionProblem& p) {
@@ -235,7 +264,9 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     }
   }
 
-  for (const Tensor* g : {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias}) {
+  EXPECT_EQ(fast.d_sinks.defined(), !opt.sinks.empty()) << label;
+  EXPECT_EQ(ref.d_sinks.defined(), !opt.sinks.empty()) << label;
+  for (const Tensor* g : {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias, &fast.d_sinks}) {
     EXPECT_FALSE(g->defined() && has_non_finite(*g)) << label << ": a gradient has NaN or inf";
   }
   if (opt.score != qkv::Score::additive) {
@@ -308,6 +339,14 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     // cancellation floor is ds_error times the largest bucket mass sum P_ij.
     check("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, naive.d_relative_bias,
           DType::f32, ds_error * bucket_mass);
+  }
+  if (fast.d_sinks.defined()) {
+    // d_sinks[h] = -sum_i e^(S_h - lse_i) D_i over the head's rows, each
+    // weight at most 1: D_i's cancellation (ds_error without its factor
+    // |P_ij| <= 1) once per row.
+    const Tensor naive_d_sinks = sink_gradients_of(problem, naive_out, dout, naive_lse, opt);
+    const double rows = static_cast<double>(fwd.lse.size(0) * fwd.lse.size(2));
+    check("d_sinks", fast.d_sinks, ref.d_sinks, naive_d_sinks, DType::f32, ds_error * rows);
   }
   return fast;
 }

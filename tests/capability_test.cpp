@@ -43,6 +43,7 @@ struct Case {
   Tensor table = random_tensor(DType::f32, {kHq, 8}, 9);
   std::vector<std::int64_t> lengths = {kN, 5}, cu = {0, 4, kN};
   std::vector<float> slopes = {0.5f, 0.25f};
+  std::vector<float> sinks = {0.3f, -1.2f};
   AttentionOptions o;
   bool packed = false;
 
@@ -100,6 +101,9 @@ void turn_on(Option option, Case& c) {
       return;
     case Option::alibi_slopes:
       o.alibi_slopes = c.slopes;
+      return;
+    case Option::sinks:
+      o.sinks = c.sinks;
       return;
     case Option::relative_bias:
       o.relative_bias = {c.table, 16, true};

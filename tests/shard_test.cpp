@@ -137,7 +137,7 @@ Merged merge_pieces(const Inputs& in, const Split& split, const AttentionOptions
                     p.lse.data<float>()[(b * hq + h) * r.size + i], 1.0f,
                     p.out.data<float>() + ((b * r.size + i) * hq + h) * dv};
               },
-              row.data());
+              row.data(), -std::numeric_limits<float>::infinity());
           for (std::int64_t c = 0; c < dv; ++c) {
             m.out.set({b, r.begin + i, h, c}, row[static_cast<std::size_t>(c)]);
           }

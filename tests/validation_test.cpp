@@ -470,6 +470,23 @@ const std::vector<BadCase>& bad_cases() {
        },
        {"options.alibi_slopes[3]: expected a finite slope, got nan"}},
 
+      // attention sinks
+      {"sinks_count",
+       [](Call& c) {
+         c.options.sinks = c.list<float>({0, 0, 0});
+       },
+       {"options.sinks: expected Hq = 4 logits, got 3"}},
+      {"sinks_nan",
+       [](Call& c) {
+         c.options.sinks = c.list<float>({0, std::numeric_limits<float>::quiet_NaN(), 0, 0});
+       },
+       {"options.sinks[1]: expected a finite logit or -inf, got nan"}},
+      {"sinks_positive_infinity",
+       [](Call& c) {
+         c.options.sinks = c.list<float>({0, 0, 0, std::numeric_limits<float>::infinity()});
+       },
+       {"options.sinks[3]: expected a finite logit or -inf, got inf"}},
+
       // relative position bias
       {"relative_bias_heads",
        [](Call& c) {

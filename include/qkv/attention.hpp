@@ -41,6 +41,12 @@
 // with Align::bottom_right (FlashAttention >= 2.1, KV-cache decoding) or i
 // with Align::top_left (PyTorch's `is_causal`); the two agree when nq_b == nk_b.
 // `options.shard.position` (default 0) is added to p_i in both alignments.
+// Learned attention sinks (gpt-oss, StreamingLLM): with options.sinks, query
+// head h has a logit S_h that joins every row's softmax denominator and adds
+// nothing to the output:
+//   p_ij = e^(s_ij) / (e^(S_h) + sum_k e^(s_ik)),   out_i = sum_j p_ij v_j,
+//   lse_i = log(e^(S_h) + sum_k e^(s_ik)),
+// so a row whose keys are all dropped has out = 0 and lse = S_h.
 // Softmax subtracts the row maximum. A row whose keys are all dropped has
 // out = 0, lse = -inf and probs = 0, never NaN. A NaN score yields a NaN row.
 // Keys a row does not admit never affect it, whatever their k and v hold
@@ -150,6 +156,8 @@ struct ShardOffsets {
   X(ConstTensorView, mask, {},                                                                    \
     "bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]")                        \
   X(std::span<const float>, alibi_slopes, {}, "[Hq], or [B * Hq] ([S * Hq] packed); empty = off") \
+  X(std::span<const float>, sinks, {},                                                            \
+    "[Hq] learned logit per query head joining each row's softmax denominator; empty = off")      \
   X(RelativePositionBias, relative_bias, {}, "learned bias by relative position; off")            \
   X(double, softcap, 0.0, "c > 0 applies c * tanh(s / c); 0 = off")                               \
   X(ScoreMod, score_mod, {}, "score_mod(s, b, h, i, j) -> new score; empty = identity")           \

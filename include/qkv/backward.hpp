@@ -16,6 +16,8 @@
 //   d_additive_w_k    [A, Dk]             Score::additive
 //   d_additive_v      [A]                 Score::additive
 //   d_additive_bias   [A]                 Score::additive with a bias
+//   d_sinks           [Hq]                when options.sinks is set:
+//                     dL/dS_h = -sum_(b, i) e^(S_h - lse_bhi) D_bhi
 // With GQA/MQA, dk and dv sum the contributions of every query head that
 // reads the KV head. Keys a row never attends to, and rows with no admitted
 // key, get zero gradient (never NaN). The options must be those of the
@@ -64,6 +66,7 @@ struct AttentionGradients {
   Tensor d_additive_w_k;   // [A, Dk]
   Tensor d_additive_v;     // [A]
   Tensor d_additive_bias;  // [A]
+  Tensor d_sinks;          // [Hq]
 };
 
 // Caller-provided gradient views. dq, dk, dv are required; each parameter
@@ -79,6 +82,7 @@ struct GradientOutputs {
   TensorView d_additive_w_k = {};   // [A, Dk], f32 (f64)
   TensorView d_additive_v = {};     // [A], f32 (f64)
   TensorView d_additive_bias = {};  // [A], f32 (f64); only with a bias
+  TensorView d_sinks = {};          // [Hq], f32 (f64); only with sinks
 };
 
 // Computes the gradients and returns freshly allocated tensors.

@@ -9,8 +9,8 @@
 // 0 .. length(b) - n + t (causal, aligned bottom-right); Hq is a multiple of
 // the cache's Hkv (GQA/MQA: the query heads sharing a KV head are computed
 // together, so each cached byte is read once per step). The options apply as
-// in qkv::attention (scale, softcap, ALiBi, window_left, sparse patterns of
-// positions, backend); masks, key_lengths, cu_seqlens, relative bias,
+// in qkv::attention (scale, softcap, ALiBi, window_left, sinks, sparse
+// patterns of positions, backend); masks, key_lengths, cu_seqlens, relative bias,
 // score/mask callables, additive scores, dropout and block-sparse layouts
 // (indexed by query rows) do not apply here and are rejected. Every sequence
 // must hold at least n tokens.

@@ -82,9 +82,10 @@ AttentionResult ring_attention(MPI_Comm comm, ConstTensorView q, ConstTensorView
                                const RingOptions& ring = {});
 
 // Gradients of ring_attention: given this rank's shards of q, k, v, out,
-// dout and lse (all from the forward), returns this rank's dq, dk, dv. K/V
-// shards travel as in the forward; dK/dV accumulators follow one step
-// behind and end at their owner after R steps; dq stays local. Bitwise
+// dout and lse (all from the forward), returns this rank's dq, dk, dv, and
+// with options.sinks d_sinks [Hq] of the whole problem (the same on every
+// rank). K/V shards travel as in the forward; dK/dV accumulators follow one
+// step behind and end at their owner after R steps; dq stays local. Bitwise
 // deterministic for a given rank count, layout and thread count.
 AttentionGradients ring_attention_backward(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
                                            ConstTensorView v, ConstTensorView out,
@@ -101,7 +102,7 @@ AttentionResult ulysses_attention(MPI_Comm comm, ConstTensorView q, ConstTensorV
                                   ConstTensorView v, const AttentionOptions& options = {});
 
 // Gradients of ulysses_attention, with the same exchanges around
-// qkv::attention_backward.
+// qkv::attention_backward; d_sinks as ring_attention_backward's.
 AttentionGradients ulysses_attention_backward(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
                                               ConstTensorView v, ConstTensorView out,
                                               ConstTensorView dout, ConstTensorView lse,

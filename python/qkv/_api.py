@@ -94,6 +94,7 @@ class AttentionGradients(NamedTuple):
     d_additive_w_k: Any  # [A, Dk]
     d_additive_v: Any  # [A]
     d_additive_bias: Any  # [A], with an additive bias
+    d_sinks: Any  # [Hq] float32, with sinks
 
 
 def _window(window) -> dict:
@@ -245,22 +246,23 @@ def attention_backward(q, k, v, out, dout, lse, **options) -> AttentionGradients
     backward then computes them (without a forward pass for score="additive"
     with key_lengths as the one mask). Returns AttentionGradients(dq, dk, dv,
     d_rel_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
-    d_additive_bias); the parameter gradients are None unless used."""
+    d_additive_bias, d_sinks); the parameter gradients are None unless used."""
     o = _options(**options)
     return attention_backward_with(q, k, v, out, dout, lse, o,
                                    additive=options.get("additive"),
-                                   rel_bias=options.get("rel_bias", options.get("relative_bias")))
+                                   rel_bias=options.get("rel_bias", options.get("relative_bias")),
+                                   sinks=options.get("sinks"))
 
 
 def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bias=None,
-                            grads=None) -> AttentionGradients:
+                            sinks=None, grads=None) -> AttentionGradients:
     """attention_backward() with prepared options; `grads`, when given, is a
     (dq, dk, dv) triple that receives the gradients."""
     if grads is None:
         dq, dk, dv = empty(q, q.shape), empty(q, k.shape), empty(q, v.shape)
     else:
         dq, dk, dv = grads
-    d_rel = d_wq = d_wk = d_v = d_b = None
+    d_rel = d_wq = d_wk = d_v = d_b = d_sinks = None
     if rel_bias is not None:
         table = rel_bias.table if isinstance(rel_bias, RelativeBias) else rel_bias
         d_rel = empty(q, table.shape, "stat")
@@ -272,15 +274,18 @@ def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bi
         d_v = empty(q, additive.v.shape, "stat")
         if additive.bias is not None:
             d_b = empty(q, additive.bias.shape, "stat")
+    if sinks is not None:
+        d_sinks = empty(q, (len(sinks),), "stat")
     _run(
         _qkv.attention_backward_into,
         native(q, "q"), native(k, "k"), native(v, "v"), optional_native(out, "out"),
         native(dout, "dout"), optional_native(lse, "lse"), native(dq, "dq"), native(dk, "dk"),
         native(dv, "dv"), optional_native(d_rel, "d_rel_bias"),
         optional_native(d_wq, "d_additive_w_q"), optional_native(d_wk, "d_additive_w_k"),
-        optional_native(d_v, "d_additive_v"), optional_native(d_b, "d_additive_bias"), o,
+        optional_native(d_v, "d_additive_v"), optional_native(d_b, "d_additive_bias"),
+        optional_native(d_sinks, "d_sinks"), o,
     )
-    return AttentionGradients(dq, dk, dv, d_rel, d_wq, d_wk, d_v, d_b)
+    return AttentionGradients(dq, dk, dv, d_rel, d_wq, d_wk, d_v, d_b, d_sinks)
 
 
 class KvCache(_qkv.KvCache):

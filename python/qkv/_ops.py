@@ -37,7 +37,7 @@ torch.library.define("qkv::attention",
 torch.library.define(
     "qkv::attention_backward",
     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse{_arguments()}) "
-    "-> (Tensor, Tensor, Tensor)")
+    "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl("qkv::attention", "cpu")
@@ -57,15 +57,20 @@ def _(q, k, v, *tensors, **options):
 
 @torch.library.impl("qkv::attention_backward", "cpu")
 def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        *tensors, **options) -> Tuple[Tensor, Tensor, Tensor]:
-    o = _api._options(**dict(zip(_TENSORS, tensors)), **options)
-    g = _api.attention_backward_with(q, k, v, out, dout, lse, o)
-    return g.dq, g.dk, g.dv
+                        *tensors, **options) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_sinks); d_sinks is empty without sinks (an operator's
+    outputs cannot be None)."""
+    named = dict(zip(_TENSORS, tensors))
+    o = _api._options(**named, **options)
+    g = _api.attention_backward_with(q, k, v, out, dout, lse, o, sinks=named.get("sinks"))
+    return g.dq, g.dk, g.dv, lse.new_empty((0,)) if g.d_sinks is None else g.d_sinks
 
 
 @torch.library.register_fake("qkv::attention_backward")
 def _(dout, q, k, v, out, lse, *tensors, **options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    sinks = dict(zip(_TENSORS, tensors)).get("sinks")
+    d_sinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_sinks
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -107,9 +112,12 @@ def _backward(ctx, dout, dlse):
     tensors = dict(zip(_TENSORS, saved))
     if dout is None:
         return (None,) * (3 + len(_TENSORS))
-    dq, dk, dv = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out, lse,
-                                                  **tensors, **ctx.options)
+    dq, dk, dv, d_sinks = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out, lse,
+                                                           **tensors, **ctx.options)
     grads = {}
+    sinks = tensors.get("sinks")
+    if sinks is not None and ctx.needs_input_grad[3 + _TENSORS.index("sinks")]:
+        grads["sinks"] = d_sinks.to(sinks.dtype)
     mask = tensors.get("mask")
     if mask is not None and ctx.needs_input_grad[3 + _TENSORS.index("mask")]:
         grads["mask"] = _mask_gradient(ctx, dout, q, k, v, out, mask, tensors)
@@ -131,7 +139,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, window: Optional[Tuple[int, in
     Hq, D], k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv] -> (out [B, Nq, Hq, Dv],
     lse [B, Hq, Nq]). Options as qkv.attention's, those the operator
     carries (tensors, numbers and strings; window=(left, right) too).
-    Gradients flow to q, k, v and a float mask. Without a dropout_seed,
+    Gradients flow to q, k, v, a float mask and sinks. Without a dropout_seed,
     dropout draws one from torch's generator (so torch.manual_seed makes it
     reproducible)."""
     if options.get("dropout_p", 0.0) > 0 and dropout_seed is None:
@@ -142,7 +150,4 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, window: Optional[Tuple[int, in
         x = options.get(name)
         if x is not None and not isinstance(x, Tensor):
             options[name] = torch.as_tensor(x)
-    slopes = options.get("alibi_slopes")
-    if slopes is not None and slopes.dtype != torch.float32:
-        options["alibi_slopes"] = slopes.float()
     return torch.ops.qkv.attention(q, k, v, dropout_seed=int(dropout_seed or 0), **options)

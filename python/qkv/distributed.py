@@ -166,7 +166,7 @@ class _Call:
             out, lse = _call(_qkv.ring_attention, *args, self.layout, True, self.bf16_as_bits)
         return _result(out, q, self.bf16_as_bits), _result(lse, q, False)
 
-    def backward(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any]:
+    def backward(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any, Any]:
         n = _arrays.native
         args = (self.handle, n(q, "q"), n(k, "k"), n(v, "v"), n(out, "out"), n(dout, "dout"),
                 n(lse, "lse"), self.options)
@@ -174,7 +174,9 @@ class _Call:
             grads = _call(_qkv.ulysses_attention_backward, *args, self.bf16_as_bits)
         else:
             grads = _call(_qkv.ring_attention_backward, *args, self.layout, self.bf16_as_bits)
-        return tuple(_result(g, q, self.bf16_as_bits) for g in grads)
+        dq, dk, dv, d_sinks = grads
+        return (*(_result(g, q, self.bf16_as_bits) for g in (dq, dk, dv)),
+                None if d_sinks is None else _result(d_sinks, q, False))
 
 
 _function: Any = None  # the torch.autograd.Function, made once torch is used
@@ -188,11 +190,13 @@ def _autograd_function() -> Any:
 
         class DistributedAttention(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, call, q, k, v):
+            def forward(ctx, call, q, k, v, sinks):
+                # sinks (in call's options already) is an input for its gradient.
                 out, lse = call.forward(q, k, v)
                 ctx.save_for_backward(q, k, v, out, lse)
                 ctx.call = call
                 ctx.mark_non_differentiable(lse)
+                ctx.sinks_dtype = None if sinks is None else sinks.dtype
                 return out, lse
 
             @staticmethod
@@ -200,19 +204,21 @@ def _autograd_function() -> Any:
             def backward(ctx, dout, _dlse):
                 # Collective: computed on every rank, whichever inputs need it.
                 q, k, v, out, lse = ctx.saved_tensors
-                dq, dk, dv = ctx.call.backward(q, k, v, out, dout, lse)
+                dq, dk, dv, d_sinks = ctx.call.backward(q, k, v, out, dout, lse)
                 needs = ctx.needs_input_grad
+                if needs[4]:
+                    d_sinks = d_sinks.to(ctx.sinks_dtype)
                 return (None, dq if needs[1] else None, dk if needs[2] else None,
-                        dv if needs[3] else None)
+                        dv if needs[3] else None, d_sinks if needs[4] else None)
 
         _function = DistributedAttention
     return _function
 
 
-def _differentiable(q, k, v) -> bool:
+def _differentiable(*tensors) -> bool:
     torch = _arrays.torch_module()
     return (torch is not None and torch.is_grad_enabled()
-            and any(_arrays.is_torch(x) and x.requires_grad for x in (q, k, v)))
+            and any(_arrays.is_torch(x) and x.requires_grad for x in tensors))
 
 
 def _prepare(handle: int, function: str, arrays, layout: Optional[str], options: dict) -> _Call:
@@ -236,9 +242,11 @@ def _attend(function: str, q, k, v, comm, layout: Optional[str], return_lse: boo
             options: dict):
     handle = _handle(comm)
     call = _prepare(handle, function, ((q, "q"), (k, "k"), (v, "v")), layout, options)
+    sinks = options.get("sinks")
+    sinks = sinks if _arrays.is_torch(sinks) else None
     try:
-        if _differentiable(q, k, v):
-            out, lse = _autograd_function().apply(call, q, k, v)
+        if _differentiable(q, k, v, sinks):
+            out, lse = _autograd_function().apply(call, q, k, v, sinks)
         else:
             out, lse = call.forward(q, k, v)
     except TypeError as error:  # an argument nanobind could not convert: nothing was sent
@@ -252,10 +260,10 @@ def _gradients(function: str, q, k, v, out, dout, lse, comm, layout: Optional[st
     arrays = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"))
     call = _prepare(handle, function, arrays, layout, options)
     try:
-        dq, dk, dv = call.backward(q, k, v, out, dout, lse)
+        dq, dk, dv, d_sinks = call.backward(q, k, v, out, dout, lse)
     except TypeError as error:
         _fail(handle, function, error)
-    return AttentionGradients(dq, dk, dv, None, None, None, None, None)
+    return AttentionGradients(dq, dk, dv, None, None, None, None, None, d_sinks)
 
 
 def ring_attention(
@@ -287,8 +295,9 @@ def ring_attention(
     Options as qkv.attention's keywords, of the whole problem; qkv::dist
     takes scale, score="dot", causal with align, window=(left, right),
     key_lengths [B] (each <= Nk = R nk), alibi_slopes [Hq] or [B, Hq],
-    softcap, dropout_p with dropout_seed / dropout_offset (the same mask as
-    one qkv.attention call) and backend, and refuses the others by name.
+    sinks [Hq] (counted once per row, not per piece), softcap, dropout_p
+    with dropout_seed / dropout_offset (the same mask as one qkv.attention
+    call) and backend, and refuses the others by name.
 
     Returns out, or AttentionResult(out, lse, None) with return_lse; the kind
     of array q is. With torch tensors that require grad, out is
@@ -343,8 +352,9 @@ def ring_attention_backward(
     (what autograd runs; for NumPy arrays). Collective. Takes this rank's
     shards of q, k, v, the forward's out and lse (return_lse=True) and dout =
     dLoss/dout [B, nq, Hq, Dv], with the forward's layout and options.
-    Returns AttentionGradients(dq, dk, dv, None, ...): this rank's shards,
-    dtype of q. Bitwise deterministic for a given rank count, layout and
+    Returns AttentionGradients(dq, dk, dv, None, ..., d_sinks): this rank's
+    shards, dtype of q, and with sinks d_sinks [Hq] of the whole problem
+    (every rank's rows; the same on every rank). Bitwise deterministic for a given rank count, layout and
     thread count."""
     return _gradients(
         "ring_attention_backward", q, k, v, out, dout, lse, comm, layout,

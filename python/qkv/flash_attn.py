@@ -215,13 +215,14 @@ def _seed(dropout_p: float) -> int:
 
 
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-            return_attn_probs):
+            return_attn_probs, learnable_sink=None):
     """flash_attn_func's body: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]."""
     window = _window(window_size)
     seed = _seed(dropout_p)
     out, lse = _ops.attention(
         q, k, v, alibi_slopes=alibi_slopes, scale=softmax_scale, causal=causal,
         window=window, softcap=softcap, dropout_p=dropout_p, dropout_seed=seed,
+        sinks=learnable_sink,
     )
     if not return_attn_probs:
         return out
@@ -277,7 +278,7 @@ def _gather_varlen_pages(cache: Tensor, name: str, block_table: Tensor,
 
 def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, block_table=None):
+                   return_attn_probs, block_table=None, learnable_sink=None):
     """flash_attn_varlen_func's body: q [total_q, Hq, D], k/v [total_k, Hkv, D]
     (or paged with block_table)."""
     window = _window(window_size)
@@ -298,7 +299,7 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     out, lse = _ops.attention(
         q4, k4, v4, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         scale=softmax_scale, causal=causal, window=window, softcap=softcap,
-        dropout_p=dropout_p, dropout_seed=seed,
+        dropout_p=dropout_p, dropout_seed=seed, sinks=learnable_sink,
     )
     out = out[0]
     if not return_attn_probs:
@@ -326,6 +327,7 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    learnable_sink=None,
 ):
     """softmax(q k^T * softmax_scale (+ softcap, ALiBi, masks)) v, differentiable.
 
@@ -352,6 +354,8 @@ def flash_attn_func(
             -alibi_slope * |i + seqlen_k - seqlen_q - j| to the score of query i, key j.
         deterministic: bool, accepted and ignored (the backward is always deterministic).
         return_attn_probs: bool, also return softmax_lse and S_dmask.
+        learnable_sink: (nheads,), a learned logit per head that joins each row's
+            softmax denominator and adds nothing to the output (gpt-oss); differentiable.
 
     Return:
         out: (batch_size, seqlen_q, nheads, headdim_v).
@@ -365,7 +369,7 @@ def flash_attn_func(
     _tensor(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     _tensor(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs)
+                   alibi_slopes, return_attn_probs, learnable_sink)
 
 
 @_raises_like_flash_attn
@@ -456,6 +460,7 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    learnable_sink=None,
 ):
     """flash_attn_func on sequences of different lengths packed back to back.
 
@@ -473,7 +478,8 @@ def flash_attn_varlen_func(
         max_seqlen_q: int, the longest query sequence (sizes S_dmask).
         max_seqlen_k: int, the longest key sequence (sizes S_dmask).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs: as flash_attn_func, per sequence.
+        deterministic, return_attn_probs, learnable_sink: as flash_attn_func, per
+            sequence.
         block_table [optional]: (batch_size, max_num_blocks_per_seq), int32: sequence s
             reads its keys and values from pages block_table[s] of k and v (gathered
             into a packed copy).
@@ -492,7 +498,7 @@ def flash_attn_varlen_func(
         _tensor(v, "v", 4, "(num_blocks, page_block_size, nheads_k, headdim) with block_table")
     return _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           dropout_p, softmax_scale, causal, window_size, softcap,
-                          alibi_slopes, return_attn_probs, block_table)
+                          alibi_slopes, return_attn_probs, block_table, learnable_sink)
 
 
 @_raises_like_flash_attn

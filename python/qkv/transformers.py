@@ -166,10 +166,10 @@ def attention_forward(
     Shapes (Transformers'): query [B, Hq, Nq, D], key [B, Hkv, Nk, D],
     value [B, Hkv, Nk, Dv] (Hq a multiple of Hkv), attention_mask None,
     bool [B or 1, 1, Nq, Nk] (True = attend) or float (added). Returns
-    (out [B, Nq, Hq, Dv] contiguous, weights [B, Hq, Nq, Nk] or None)."""
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"qkv: attention sinks ('{name}') are not supported")
+    (out [B, Nq, Hq, Dv] contiguous, weights [B, Hq, Nq, Nk] or None).
+    Learned attention sinks (gpt-oss passes them as s_aux, [Hq]) join each
+    row's softmax denominator."""
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     nq = query.shape[2]
     mask = attention_mask
@@ -178,7 +178,8 @@ def attention_forward(
 
         mask = create_position_bias_mask(position_bias, mask, causal and nq > 1 and mask is None,
                                           query, key)
-    options = dict(causal=False, top_left=True, window_left=-1, key_lengths=None, mask=None)
+    options = dict(causal=False, top_left=True, window_left=-1, key_lengths=None, mask=None,
+                   sinks=sinks)
     if mask is None:
         options["causal"] = bool(causal and nq > 1)
     elif mask.dtype == torch.bool:
@@ -197,14 +198,14 @@ def attention_forward(
     weights = None
     wants_weights = _wants_weights(kwargs)
     trains = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, options["mask"]))
+        t is not None and t.requires_grad for t in (query, key, value, options["mask"], sinks))
     if trains or dropout > 0:
         out, _ = _ops.attention(
             q, k, v, mask=options["mask"], key_lengths=options["key_lengths"], scale=scale,
             causal=options["causal"],
             align="top_left" if options["top_left"] else "bottom_right",
             window=(options["window_left"], -1 if options["window_left"] < 0 else 0),
-            softcap=cap, dropout_p=float(dropout))
+            softcap=cap, dropout_p=float(dropout), sinks=sinks)
         if wants_weights:
             with torch.no_grad():
                 weights = _plain(q, k, v, options, scale, cap, True)[1]
@@ -228,13 +229,14 @@ def _scalar_options(scale, causal: bool, top_left: bool, window_left: int, cap: 
 def _plain(q, k, v, options: dict, scale, cap: float, probs: bool):
     """One call of qkv.attention (no autograd): (out, probs or None)."""
     wl = options["window_left"]
-    if options["mask"] is None and options["key_lengths"] is None:
+    if options["mask"] is None and options["key_lengths"] is None and options["sinks"] is None:
         o = _scalar_options(scale, options["causal"], options["top_left"], wl, cap)
     else:
         o = _api._options(
             scale=scale, causal=options["causal"],
             align="top_left" if options["top_left"] else "bottom_right",
             window=None if wl < 0 else (wl, 0), key_lengths=options["key_lengths"],
-            mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap)
+            mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap,
+            sinks=None if options["sinks"] is None else options["sinks"].detach().float())
     r = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=probs)
     return (r.out, r.probs) if probs else (r, None)

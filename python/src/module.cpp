@@ -42,7 +42,8 @@ void attention_backward_into_py(const In& q, const In& k, const In& v, const std
                                 const std::optional<Out>& d_additive_w_q,
                                 const std::optional<Out>& d_additive_w_k,
                                 const std::optional<Out>& d_additive_v,
-                                const std::optional<Out>& d_additive_bias, const Options& options) {
+                                const std::optional<Out>& d_additive_bias,
+                                const std::optional<Out>& d_sinks, const Options& options) {
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v"),
                         ov = view_of(out, "out"), dov = view_of(dout, "dout"),
                         lv = view_of(lse, "lse");
@@ -54,7 +55,8 @@ void attention_backward_into_py(const In& q, const In& k, const In& v, const std
                               view_of(d_additive_w_q, "d_additive_w_q"),
                               view_of(d_additive_w_k, "d_additive_w_k"),
                               view_of(d_additive_v, "d_additive_v"),
-                              view_of(d_additive_bias, "d_additive_bias")};
+                              view_of(d_additive_bias, "d_additive_bias"),
+                              view_of(d_sinks, "d_sinks")};
   nb::gil_scoped_release release;
   attention_backward_into(qv, kv, vv, ov, dov, lv, grads, o);
 }
@@ -185,7 +187,7 @@ NB_MODULE(_qkv, m) {
   m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a.none(),
         "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(),
         "d_additive_w_q"_a.none(), "d_additive_w_k"_a.none(), "d_additive_v"_a.none(),
-        "d_additive_bias"_a.none(), "options"_a,
+        "d_additive_bias"_a.none(), "d_sinks"_a.none(), "options"_a,
         "Gradients of attention into dq, dk, dv (dtype of q) and the parameter gradients "
         "the options use.");
 

@@ -9,9 +9,12 @@ import numpy as np
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom_right", window=(-1, -1),
-              key_lengths=None, mask=None, alibi_slopes=None, softcap=0.0, score="scaled_dot"):
+              key_lengths=None, mask=None, alibi_slopes=None, softcap=0.0, score="scaled_dot",
+              sinks=None):
     """Returns (out [B, Nq, Hq, Dv], lse [B, Hq, Nq], probs [B, Hq, Nq, Nk]) in
-    float64; rows without any admitted key give out 0, lse -inf, probs 0."""
+    float64; rows without any admitted key give out 0, lse -inf, probs 0.
+    sinks [Hq]: each head's logit joins its rows' denominators (such rows
+    then have lse = the sink)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -50,6 +53,17 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom_right", window
         else:
             s = s + np.broadcast_to(m.astype(np.float64), s.shape)
     s = np.where(admit, s, -np.inf)
+    if sinks is not None:  # one more column, always admitted, dropped from the weights
+        column = np.broadcast_to(np.asarray(sinks, np.float64).reshape(1, hq, 1, 1),
+                                 (b, hq, nq, 1))
+        top = np.maximum(s.max(axis=-1, keepdims=True), column)
+        top = np.where(np.isfinite(top), top, 0.0)  # no key and a -inf sink: z = 0
+        e = np.where(admit, np.exp(s - top), 0.0)
+        z = e.sum(axis=-1, keepdims=True) + np.exp(column - top)
+        probs = np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
+        with np.errstate(divide="ignore"):
+            lse = (top + np.log(z))[..., 0]
+        return np.einsum("bhij,bjhd->bihd", probs, vv), lse, probs
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.where(admit, np.exp(s - m), 0.0)

@@ -47,6 +47,8 @@ OPTIONS = [
     {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
     {"softcap": 2.0},
     {"scale": 0.7},
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+    {"sinks": [3.0, -np.inf, 0.25, -2.0], "key_lengths": [0, 5], "causal": True},
 ]
 
 
@@ -260,11 +262,12 @@ def test_kv_cache_decode_matches_causal_attention(paged):
     cache.append(k, v, counts=[n, n - 3])
     assert cache.lengths() == [n, n - 3]
     q = rand(b, 1, 4, d)
-    out = qkv.decode_attention(q, cache)
-    for bb, length in enumerate((n, n - 3)):
-        ref, _, _ = reference.attention(q[bb:bb + 1], k[bb:bb + 1, :length], v[bb:bb + 1, :length],
-                                        causal=True)
-        assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, v, np.float32)
+    for sinks in (None, [0.5, -1.0, 2.0, -np.inf]):
+        out = qkv.decode_attention(q, cache, sinks=sinks)
+        for bb, length in enumerate((n, n - 3)):
+            ref, _, _ = reference.attention(q[bb:bb + 1], k[bb:bb + 1, :length],
+                                            v[bb:bb + 1, :length], causal=True, sinks=sinks)
+            assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, v, np.float32)
 
 
 def test_rope_backward_undoes_rope():

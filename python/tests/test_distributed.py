@@ -145,6 +145,7 @@ EVERY_OPTION = """
         dict(window=(3, 2), alibi_slopes=[0.5, 0.25, 0.125, 0.0625], softcap=3.0),
         dict(causal=True, key_lengths=[n * ranks - 3, 5]),
         dict(causal=True, dropout_p=0.25, dropout_seed=99, dropout_offset=3),
+        dict(causal=True, key_lengths=[0, 5], sinks=[1.5, -0.5, 0.25, -3.0]),
     ]
     worst = 0.0
     for o in options:
@@ -161,6 +162,9 @@ EVERY_OPTION = """
                                                **o)
             pairs = [(r.out, whole.out[:, rows]), (r.lse, whole.lse[:, :, rows]),
                      (gs.dq, g.dq[:, rows]), (gs.dk, g.dk[:, rows]), (gs.dv, g.dv[:, rows])]
+            assert (gs.d_sinks is None) == ("sinks" not in o), (how, o)
+            if "sinks" in o:
+                pairs.append((gs.d_sinks, g.d_sinks))
             for got, want in pairs:
                 finite = np.isfinite(want)
                 assert np.array_equal(np.isfinite(got), finite), (how, o)
@@ -294,6 +298,7 @@ OPTIONS = [
     dict(window=(3, 2), alibi_slopes=[0.5, 0.25, 0.125, 0.0625], softcap=3.0),
     dict(causal=True, key_lengths=[13, 16]),
     dict(causal=True, dropout_p=0.25, dropout_seed=1234, dropout_offset=7),
+    dict(causal=True, sinks=[0.5, -1.0, 2.0, 0.0]),
 ]
 
 
@@ -325,8 +330,12 @@ def test_one_rank_equals_attention(comm, how, options):
     gs = qkv.attention_backward(q, k, v, single.out, dout, single.lse, **options)
     ge = qkv.attention_backward(*(x.astype(np.float64) for x in (q, k, v, exact.out, dout)),
                                 exact.lse, backend="reference", **options)
-    for i, what in enumerate(("dq", "dk", "dv")):
-        assert np.abs(grads[i] - ge[i]).max() <= error_bound(gs[i], ge[i], 1), what
+    for what in ("dq", "dk", "dv", "d_sinks"):
+        g, s, e = getattr(grads, what), getattr(gs, what), getattr(ge, what)
+        if "sinks" not in options and what == "d_sinks":
+            assert g is None
+            continue
+        assert np.abs(g - e).max() <= error_bound(s, e, 1), what
 
 
 def test_array_kinds_and_dtypes(comm):
@@ -364,14 +373,24 @@ def test_strided_inputs(comm):
 def test_autograd(comm, how):
     torch = pytest.importorskip("torch")
 
-    def attend(q, k, v):
-        options = dict(causal=True, window=(6, 0), softcap=4.0)
+    def attend(q, k, v, sinks=None):
+        options = dict(causal=True, window=(6, 0), softcap=4.0, sinks=sinks)
         if how == "ulysses":
             return distributed.ulysses_attention(q, k, v, comm, **options)
         return distributed.ring_attention(q, k, v, comm, layout=how, **options)
 
     q, k, v = (torch.from_numpy(x).double().requires_grad_() for x in problem(n=8, d=8))
     assert torch.autograd.gradcheck(attend, (q, k, v))
+    # The sinks' gradient against autograd through qkv.attention's (float64
+    # on both sides; the logits exact in float32, as C++ holds them).
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    w = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad((attend(q, k, v, sinks) * w).sum(), sinks)[0]
+    from qkv import _ops
+
+    want = torch.autograd.grad((_ops.attention(q, k, v, causal=True, window=(6, 0), softcap=4.0,
+                                               sinks=sinks)[0] * w).sum(), sinks)[0]
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     # float32, against the single-process backward; gradients only where asked.
     q, k, v = (torch.from_numpy(x) for x in problem())
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))

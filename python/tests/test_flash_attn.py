@@ -35,13 +35,15 @@ F32_ULP = 2.0**-23
 
 
 def ref_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi=None, key_mask=None):
+                  alibi=None, key_mask=None, sinks=None):
     """Attention as FlashAttention documents it, for one fixed-length batch.
 
     q [B, Nq, Hq, D], k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv]; query heads
     [g*i, g*(i+1)) read KV head i. Query i sits at key position i + Nk - Nq
     (bottom-right); causal keeps j <= that, the window [pos - left, pos + right],
     ALiBi adds -slope * |i + Nk - Nq - j|. key_mask [B, Nk] (True = keep) drops keys.
+    sinks [Hq] (learnable_sink): one more softmax column per head, dropped from the
+    weights (rows without keys then have out 0 and lse = the sink).
     Returns out [B, Nq, Hq, Dv], lse [B, Hq, Nq] (+inf for rows without keys, as
     FlashAttention writes them) and probs [B, Hq, Nq, Nk], in float64.
     """
@@ -70,6 +72,11 @@ def ref_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap
     if key_mask is not None:
         keep = keep & key_mask[:, None, None, :]
     s = s.masked_fill(~keep, -math.inf)
+    if sinks is not None:
+        column = sinks.double().reshape(1, hq, 1, 1).expand(b, hq, nq, 1)
+        lse = torch.logsumexp(torch.cat([s, column], -1), dim=-1)
+        probs = torch.exp(s - lse[..., None])
+        return torch.einsum("bhij,bjhd->bihd", probs, vv), lse, probs
     empty = ~keep.any(-1)
     # logsumexp of rows with keys; rows without keys get lse +inf and probs 0.
     lse = torch.logsumexp(torch.where(empty[..., None], 0.0, s), dim=-1)
@@ -442,6 +449,47 @@ def test_varlen_training_step_gradients(dtype, gen):
         assert_close(g, r, dtype, ulps=512, what=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_learnable_sink_forward_and_gradients(dtype, gen):
+    b, nq, nk, hq, hkv, d = 2, 5, 7, 4, 2, 16
+    q = randn(b, nq, hq, d, dtype=dtype, generator=gen)
+    k = randn(b, nk, hkv, d, dtype=dtype, generator=gen)
+    v = randn(b, nk, hkv, d, dtype=dtype, generator=gen)
+    w = randn(b, nq, hq, d, dtype=dtype, generator=gen)
+    sinks = torch.tensor([1.5, -0.75, 0.0, 3.0], dtype=dtype)  # exact in float32
+    out, grads = training_step(
+        lambda q, k, v, s: fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 0),
+                                              learnable_sink=s),
+        (q, k, v, sinks), w)
+    ref_out, ref_grads = training_step(
+        lambda q, k, v, s: ref_attention(q, k, v, causal=True, window=(3, 0), sinks=s)[0],
+        (q.double(), k.double(), v.double(), sinks.double()), w.double())
+    assert_close(out, ref_out, dtype, what="out")
+    for name, g, r in zip(("dq", "dk", "dv", "d_sink"), grads, ref_grads):
+        assert g.dtype == dtype
+        assert_close(g, r, dtype, ulps=512, what=name)
+
+
+def test_learnable_sink_varlen(gen):
+    hq, hkv, d = 4, 2, 16
+    cu_q, cu_k = cumulative(LENS_Q), cumulative(LENS_K)
+    q = randn(sum(LENS_Q), hq, d, dtype=torch.float32, generator=gen)
+    k = randn(sum(LENS_K), hkv, d, dtype=torch.float32, generator=gen)
+    v = randn(sum(LENS_K), hkv, d, dtype=torch.float32, generator=gen)
+    sinks = torch.tensor([0.5, 2.0, -1.0, 0.25])
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
+                                            causal=True, learnable_sink=sinks,
+                                            return_attn_probs=True)
+    for s in range(len(LENS_Q)):
+        rows = slice(int(cu_q[s]), int(cu_q[s + 1]))
+        keys = slice(int(cu_k[s]), int(cu_k[s + 1]))
+        ref_out, ref_lse, _ = ref_attention(q[rows][None], k[keys][None], v[keys][None],
+                                            causal=True, sinks=sinks)
+        assert_close(out[rows], ref_out[0], torch.float32, what=f"out[{s}]")
+        # Rows without keys (sequence 1's first) have lse = the sink, finite.
+        assert_close(lse[:, rows], ref_lse[0], torch.float32, what=f"softmax_lse[{s}]")
+
+
 def test_varlen_qkvpacked_and_kvpacked(gen):
     lens = [4, 2, 5]
     cu = cumulative(lens)
@@ -675,7 +723,7 @@ def test_kvcache_is_not_differentiable(gen):
 SIGNATURES = {
     "flash_attn_func": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, "
     "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
-    "return_attn_probs=False",
+    "return_attn_probs=False, learnable_sink=None",
     "flash_attn_qkvpacked_func": "qkv, dropout_p=0.0, softmax_scale=None, causal=False, "
     "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
     "return_attn_probs=False",
@@ -685,7 +733,7 @@ SIGNATURES = {
     "flash_attn_varlen_func": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
     "max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
     "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, "
-    "block_table=None",
+    "block_table=None, learnable_sink=None",
     "flash_attn_varlen_qkvpacked_func": "qkv, cu_seqlens, max_seqlen, dropout_p=0.0, "
     "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
     "alibi_slopes=None, deterministic=False, return_attn_probs=False",
@@ -700,6 +748,7 @@ SIGNATURES = {
 }
 
 
+# learnable_sink is FlashAttention 3's argument, added after 2.8's.
 @pytest.mark.parametrize("name", list(SIGNATURES))
 def test_signatures_are_flash_attention_2_8(name):
     params = inspect.signature(getattr(fa, name)).parameters.values()

@@ -261,3 +261,46 @@ def test_batched_gradients_under_vmap():
                                     check_batched_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, is_causal=True), args,
                                     check_batched_grad=True)
+
+
+def _eager_with_sinks(q, k, v, sinks, causal):
+    """gpt-oss's eager attention in qkv's layout: the sink logit as one more
+    softmax column, dropped from the weights."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * q.shape[-1] ** -0.5
+    if causal:
+        nq, nk = s.shape[-2:]
+        keep = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        s = s.masked_fill(~keep, float("-inf"))
+    column = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    return torch.einsum("bhij,bjhd->bihd", p, vv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_gradients_match_autograd_of_the_definition(causal):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 4, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 6, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 6, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    # float32 values: qkv holds the sinks as float32, so both sides see the same logits.
+    sinks = torch.tensor([0.5, -1.25, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 5, 4, 3, dtype=torch.float64, generator=g)
+    got = _ops.attention(q, k, v, sinks=sinks, causal=causal)[0]
+    want = _eager_with_sinks(q, k, v, sinks, causal)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v, sinks), dout)
+    # float64 on both sides: a few ulps of the sums' magnitudes.
+    assert (got - want).abs().max().item() < 1e-12
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max().item() < 1e-12
+
+
+def test_sinks_in_bfloat16_are_differentiable():
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
+    _ops.attention(q, k, v, sinks=sinks)[0].float().sum().backward()
+    assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
+    assert torch.isfinite(sinks.grad).all() and (sinks.grad != 0).any()

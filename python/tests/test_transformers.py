@@ -1,7 +1,7 @@
 """Transformers models on qkv (qkv.transformers): every model family the
 integration maps (BERT padding, Llama GQA, Mistral sliding window, Gemma 2
-softcap and alternating windows) against the stock "eager" implementation,
-with small configs and seeded random weights.
+softcap and alternating windows, gpt-oss learned sinks) against the stock
+"eager" implementation, with small configs and seeded random weights.
 
 Error model (FlashAttention's): the same model run in float64 with the
 plain attention below is the reference; qkv's float32 (bfloat16) result may
@@ -27,8 +27,10 @@ VOCAB = 128
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          softcap=None, is_causal=None, **kwargs):
     """softmax(softcap(q k^T scaling) + mask) v in float64, as written in the
-    models' eager code; a row without any key gives 0 (qkv's convention; such
-    rows are padding, and no valid token reads them)."""
+    models' eager code, with gpt-oss's sink logits (s_aux, [Hq]) as one more
+    column of the softmax that is dropped afterwards; a row without any key
+    gives 0 (qkv's convention; such rows are padding, and no valid token
+    reads them)."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
@@ -44,7 +46,13 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
             s = s.masked_fill(~attention_mask, float("-inf"))
         else:
             s = s + attention_mask
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        column = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, column], dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
     return (p @ value).transpose(1, 2).contiguous(), p
 
 
@@ -62,6 +70,10 @@ _register_reference()
 def _model(cls, config, impl, dtype=torch.float32):
     torch.manual_seed(0)
     m = cls._from_config(config, attn_implementation=impl)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".sinks"):  # gpt-oss initialises them near 0; make them matter
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 2)
     return m.to(dtype).eval()
 
 
@@ -89,7 +101,15 @@ def _gemma2():
         num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=8)
 
 
-FAMILIES = {"bert": _bert, "llama": _llama, "mistral": _mistral, "gemma2": _gemma2}
+def _gpt_oss():
+    return transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, experts_implementation="eager")
+
+
+FAMILIES = {"bert": _bert, "llama": _llama, "mistral": _mistral, "gemma2": _gemma2,
+            "gpt_oss": _gpt_oss}
 
 
 def _inputs(padding):
@@ -135,7 +155,7 @@ def test_forward_matches_eager(family, padding, monkeypatch):
     _within_error_model(got, stock, ref, am.bool())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_bfloat16_within_its_error_model(family):
     cls, config = FAMILIES[family]()
     ids, am = _inputs("right")
@@ -147,7 +167,7 @@ def test_bfloat16_within_its_error_model(family):
     _within_error_model(got, stock, ref, am.bool())
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("padding", ["none", "left"])
 def test_greedy_generation_equals_eager(family, padding):
     cls, config = FAMILIES[family]()
@@ -163,8 +183,9 @@ def test_greedy_generation_equals_eager(family, padding):
     assert torch.equal(tokens["qkv"], tokens["eager"])
 
 
-def test_training_step_gradients_match_eager():
-    cls, config = FAMILIES["llama"]()
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_training_step_gradients_match_eager(family):
+    cls, config = FAMILIES[family]()
     ids, am = _inputs("right")
     labels = ids.masked_fill(am == 0, -100)
     grads = {}
@@ -179,7 +200,7 @@ def test_training_step_gradients_match_eager():
         _within_error_model(grads["qkv"][name], grads["eager"][name], ref, everything, ulps=16)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "gemma2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gemma2", "gpt_oss"])
 def test_output_attentions_are_the_probabilities(family):
     cls, config = FAMILIES[family]()
     ids, am = _inputs("right")
@@ -253,7 +274,11 @@ def test_register_returns_the_name_and_is_idempotent():
     assert AttentionInterface()["qkv"] is qt.attention_forward
 
 
-def test_unsupported_sinks_are_refused():
-    q = torch.zeros(1, 2, 3, 8)
+def test_sinks_change_the_result_and_are_checked():
+    q = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(3))
+    module = torch.nn.Module()
+    plain, _ = qt.attention_forward(module, q, q, q, None)
+    sunk, _ = qt.attention_forward(module, q, q, q, None, s_aux=torch.tensor([0.0, 1.0]))
+    assert not torch.allclose(plain, sunk)
     with pytest.raises(ValueError, match="sinks"):
-        qt.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+        qt.attention_forward(module, q, q, q, None, s_aux=torch.zeros(3))

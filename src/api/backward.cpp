@@ -80,14 +80,14 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
 // which defines it (see docs/semantics.md). Without out and lse, an
 // additive call whose one mask is key_lengths computes them inside the fast
 // backward; any other call runs the forward for them first.
-void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
-         const GradientOutputs& grads, const AttentionOptions& o) {
+void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                 ConstTensorView v, ConstTensorView& out, ConstTensorView dout,
+                 ConstTensorView& lse, Tensor& forward_out, Tensor& forward_lse,
+                 const GradientOutputs& grads, const AttentionOptions& o) {
   const bool additive = o.score == Score::additive;
   const bool fast = detail::use_fast_kernels(
       o, p.dtype, !additive || detail::supports_all(detail::Path::additive_backward, o));
   bool tried_fast = false;
-  Tensor forward_out, forward_lse;
   if (!out.defined()) {
     if (fast && additive && detail::supports_all(detail::Path::additive_own_weights, o)) {
       if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, grads)) return;
@@ -105,6 +105,16 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
     return;
   }
   reference::attention_backward(p, q, k, v, out, dout, lse, grads, o);
+}
+
+// The backend's gradients, then the sinks' from out, dout and lse (the
+// forward's when the caller gave neither).
+void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+         ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
+         const GradientOutputs& grads, const AttentionOptions& o) {
+  Tensor forward_out, forward_lse;
+  run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);
+  if (grads.d_sinks.defined()) reference::sink_gradients(p, out, dout, lse, o, grads.d_sinks);
 }
 
 detail::AttentionProblem check_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -134,9 +144,10 @@ AttentionGradients attention_backward(ConstTensorView q, ConstTensorView k, Cons
     g.d_additive_v = Tensor(p.stat_dtype, {p.attention_size});
     if (o.additive.bias.defined()) g.d_additive_bias = Tensor(p.stat_dtype, {p.attention_size});
   }
+  if (!o.sinks.empty()) g.d_sinks = Tensor(p.stat_dtype, {p.hq});
   run(p, q, k, v, out, dout, lse,
       {g.dq, g.dk, g.dv, g.d_relative_bias.view(), g.d_additive_w_q.view(), g.d_additive_w_k.view(),
-       g.d_additive_v.view(), g.d_additive_bias.view()},
+       g.d_additive_v.view(), g.d_additive_bias.view(), g.d_sinks.view()},
       o);
   return g;
 }

@@ -85,6 +85,7 @@ DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorVi
   }
   detail::check_scale(o, dk, r);
   detail::check_alibi(o, shape.hq, shape.batch, false, r);
+  detail::check_sinks(o, shape.hq, r);
   detail::check_fast_dtype(o.backend, shape.dtype, r);
   if (out != nullptr) {
     detail::Aliasing aliasing;

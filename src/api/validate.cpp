@@ -214,6 +214,7 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
 
 void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
   check_alibi(o, p.hq, p.sequences, p.varlen, r);
+  check_sinks(o, p.hq, r);
   if (o.shard.heads > 0 && o.shard.head >= 0 &&
       (o.shard.head > o.shard.heads || o.shard.heads - o.shard.head < p.hq)) {
     r.push_back("options.shard.heads: expected at least head + Hq = " + to_string(o.shard.head) +
@@ -374,6 +375,22 @@ void check_alibi(const AttentionOptions& o, std::int64_t hq, std::int64_t sequen
   }
 }
 
+void check_sinks(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
+  if (o.sinks.empty()) return;
+  if (static_cast<std::int64_t>(o.sinks.size()) != hq) {
+    r.push_back("options.sinks: expected Hq = " + to_string(hq) + " logits, got " +
+                to_string(static_cast<std::int64_t>(o.sinks.size())));
+  }
+  for (std::size_t h = 0; h < o.sinks.size(); ++h) {
+    const float s = o.sinks[h];
+    if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
+      r.push_back("options.sinks[" + to_string(h) + "]: expected a finite logit or -inf, got " +
+                  num(s));
+      break;
+    }
+  }
+}
+
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                         const AttentionOptions& options) {
   AttentionProblem p;
@@ -509,6 +526,7 @@ void check_gradient_outputs(const AttentionProblem& p, ConstTensorView q, ConstT
          "Score::additive");
   output("d_additive_bias", g.d_additive_bias, {p.attention_size}, p.stat_dtype,
          additive && o.additive.bias.defined(), "additive.bias");
+  output("d_sinks", g.d_sinks, {p.hq}, p.stat_dtype, !o.sinks.empty(), "sinks");
   throw_if(r);
 }
 

@@ -33,6 +33,9 @@ double check_scale(const AttentionOptions& options, std::int64_t dk, Reasons& re
 void check_alibi(const AttentionOptions& options, std::int64_t hq, std::int64_t sequences,
                  bool varlen, Reasons& reasons);
 
+// options.sinks: Hq logits, each finite or -inf (none: off).
+void check_sinks(const AttentionOptions& options, std::int64_t hq, Reasons& reasons);
+
 // Checks q, k, v and options; throws qkv::Error listing every problem.
 AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                                         const AttentionOptions& options);

@@ -44,6 +44,7 @@ constexpr Row kTable[] = {
     {Option::cu_seqlens_k,   "yyy----"},
     {Option::mask,           "yyy----"},
     {Option::alibi_slopes,   "yyy--yy"},
+    {Option::sinks,          "yyy-yyy"},
     {Option::relative_bias,  "yy-----"},
     {Option::softcap,        "yy--yyy"},
     {Option::score_mod,      "y------"},

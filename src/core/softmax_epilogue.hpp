@@ -9,7 +9,12 @@
 // Forward. A row's admitted scores s_j reduce to a running maximum m, a sum
 // l = sum_j e^(s_j - m) and an accumulator O = sum_j e^(s_j - m) v_j. Then
 //   out = scale O,  p_j = scale e^(s_j - m),  scale = 1 / l,  lse = m + log l
-// (finish_row). A row without admitted keys (l = 0, m = -inf) has out = 0,
+// (finish_row). A learned sink S (qkv/attention.hpp) joins the denominator
+// there: with M = max(m, S) and L = l e^(m - M) + e^(S - M),
+//   scale = e^(m - M) / L,  lse = M + log L,
+// and S = -inf (no sink) is the plain finish above, operation for operation.
+// A row without admitted keys then has out = 0 and lse = S; without a sink
+// such a row (l = 0, m = -inf) has out = 0,
 // p = 0 and lse = -inf. A NaN score reaches l through e^(s - m), so IEEE
 // arithmetic makes out and lse NaN (semantics.md, "Fully masked rows, NaN
 // and infinities").
@@ -29,12 +34,16 @@
 // Backward. With lse_i from the forward, the weights are recovered as
 //   P_ij = e^(s_ij - lse_i), 0 for a row without keys (lse_i = -inf)
 // (weight_from_lse), and the softmax's correction is
-//   D_i = sum_c dout_ic out_ic  (row_delta),   dS_ij = P_ij (dP_ij - D_i).
+//   D_i = sum_c dout_ic out_ic  (row_delta),   dS_ij = P_ij (dP_ij - D_i),
+// which a sink leaves unchanged (it is inside lse_i). The sink's own
+// gradient, over the rows i of its head, is
+//   dL/dS = -sum_i e^(S - lse_i) D_i            (sink_gradient).
 // The vectorized kernels keep their own loops of these two formulas.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -47,11 +56,26 @@ struct RowFinish {
   Real lse;
 };
 
-// The finish of a row with running maximum m and sum l (see above).
+// The finish of a row with running maximum m and sum l, and the row's sink
+// logit (-inf: none; see above).
 template <class Real>
-RowFinish<Real> finish_row(Real m, Real l) {
-  if (l == Real(0)) return {Real(0), -std::numeric_limits<Real>::infinity()};
-  return {Real(1) / l, m + std::log(l)};
+RowFinish<Real> finish_row(Real m, Real l, Real sink = -std::numeric_limits<Real>::infinity()) {
+  if (sink == -std::numeric_limits<Real>::infinity()) {
+    if (l == Real(0)) return {Real(0), -std::numeric_limits<Real>::infinity()};
+    return {Real(1) / l, m + std::log(l)};
+  }
+  // std::max keeps a NaN m; a NaN l reaches L.
+  const Real top = std::isnan(m) ? m : std::max(m, sink);
+  const Real w = std::exp(m - top);
+  const Real sum = l * w + std::exp(sink - top);
+  return {w / sum, top + std::log(sum)};
+}
+
+// The sink logit of query head h: sinks[h], or -inf without sinks.
+template <class Real>
+Real sink_of(const float* sinks, std::size_t count, std::int64_t h) {
+  return count == 0 ? -std::numeric_limits<Real>::infinity()
+                    : static_cast<Real>(sinks[static_cast<std::size_t>(h)]);
 }
 
 template <class Real>
@@ -62,9 +86,11 @@ struct SoftmaxPart {
 };
 
 // Writes the merged row of `parts` parts (part(s) returns SoftmaxPart<Real>)
-// into out[0, dv) and returns its lse.
+// into out[0, dv) and returns its lse; `sink` (-inf: none) enters the merged
+// row's finish.
 template <class Real, class PartAt>
-Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real* out) {
+Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real* out,
+                         Real sink = -std::numeric_limits<Real>::infinity()) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   Real top = kNegInf;
   for (std::int64_t s = 0; s < parts; ++s) {
@@ -86,7 +112,7 @@ Real merge_softmax_parts(std::int64_t parts, std::int64_t dv, PartAt part, Real*
       for (std::int64_t c = 0; c < dv; ++c) out[c] += w * p.o[c];
     }
   }
-  const RowFinish<Real> row = finish_row(top, sum);
+  const RowFinish<Real> row = finish_row(top, sum, sink);
   for (std::int64_t c = 0; c < dv; ++c) out[c] *= row.scale;
   return row.lse;
 }
@@ -103,6 +129,19 @@ Real row_delta(const Real* dout, const Real* out, std::int64_t n) {
   Real d = 0;
   for (std::int64_t c = 0; c < n; ++c) d += dout[c] * out[c];
   return d;
+}
+
+// dL/dS = -sum_i e^(S - lse_i) D_i over `rows` rows of one head, in row
+// order; row(i) returns the pair {lse_i, D_i}. 0 without a sink (S = -inf).
+template <class Real, class RowAt>
+Real sink_gradient(Real sink, std::int64_t rows, RowAt row) {
+  if (sink == -std::numeric_limits<Real>::infinity()) return Real(0);
+  Real g = 0;
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const auto [lse, d] = row(i);
+    g -= std::exp(sink - static_cast<Real>(lse)) * static_cast<Real>(d);
+  }
+  return g;
 }
 
 }  // namespace qkv::detail

@@ -509,10 +509,12 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
 // (core/softmax_epilogue.hpp).
 inline void DecodeMerge(DecodePlan& plan) {
   const Floats row = AllocFloats(plan.dv);
+  const std::span<const float> sinks = plan.options->sinks;
   for (std::size_t first = 0; first < plan.items.size();
        first += static_cast<std::size_t>(plan.splits)) {
     const std::int64_t b = plan.items[first].b;
     for (std::int64_t r = 0; r < plan.rows; ++r) {
+      const std::int64_t h = r / plan.n, t = r % plan.n;
       const float lse = detail::merge_softmax_parts<float>(
           plan.splits, plan.dv,
           [&](std::int64_t s) {
@@ -520,8 +522,7 @@ inline void DecodeMerge(DecodePlan& plan) {
             return detail::SoftmaxPart<float>{plan.partial_m[slot], plan.partial_l[slot],
                                               plan.partial_o.data() + slot * plan.dv_pad};
           },
-          row.get());
-      const std::int64_t h = r / plan.n, t = r % plan.n;
+          row.get(), detail::sink_of<float>(sinks.data(), sinks.size(), h));
       StoreViewRow(row.get(), plan.dv, plan.out, b, t, h);
       if (plan.lse.defined()) plan.lse.set({b, h, t}, lse);
     }

@@ -556,13 +556,15 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   const TensorView out = plan.out;
   const TensorView lse = plan.lse;
   bool finite = true;
+  const std::span<const float> sinks = plan.options->sinks;
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t h = u.hkv * g.group + gi;
+    const float sink = detail::sink_of<float>(sinks.data(), sinks.size(), h);
     for (std::int64_t t = 0; t < g.positions; ++t) {
       const std::int64_t r = gi * g.positions + t;
       const std::int64_t qrow = g.seq.q_begin + u.i0 + t;
       float* orow = o + r * shape.dv_pad;
-      const detail::RowFinish<float> row = detail::finish_row(m[r], l[r]);
+      const detail::RowFinish<float> row = detail::finish_row(m[r], l[r], sink);
       for (std::int64_t c = 0; c < shape.dv_pad; c += lanes) {
         hn::Store(hn::Mul(hn::Load(d, orow + c), hn::Set(d, row.scale)), d, orow + c);
       }

@@ -1,14 +1,16 @@
 // Ring attention: K/V shards travel rank r -> r + 1; at step t rank r holds
 // the shard of rank r - t (mod R), attends to it with qkv::attention (global
 // positions through options.shard) and merges the piece into its running
-// result by logsumexp (core/softmax_epilogue.hpp). The backward sends dK/dV
-// accumulators one step behind their shards.
+// result by logsumexp (core/softmax_epilogue.hpp); learned sinks join the
+// merged rows once, at the end. The backward sends dK/dV accumulators one
+// step behind their shards.
 #include <mpi.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "core/elements.hpp"
@@ -138,6 +140,24 @@ void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Ten
   }
 }
 
+// Adds each head's sink to the denominators of the merged rows (once: the
+// pieces have none), the finish of core/softmax_epilogue.hpp on one part.
+template <class Real>
+void add_sinks(const Setup& s, std::span<const float> sinks, Real* acc, Real* acc_lse) {
+  const std::int64_t n = s.batch * s.nq * s.hq;
+  std::vector<Real> merged(static_cast<std::size_t>(s.dv));
+  for (std::int64_t x = 0; x < n; ++x) {
+    const std::int64_t h = x % s.hq, i = (x / s.hq) % s.nq, b = x / (s.hq * s.nq);
+    Real* row = acc + x * s.dv;
+    Real& row_lse = acc_lse[(b * s.hq + h) * s.nq + i];
+    const qkv::detail::SoftmaxPart<Real> part{row_lse, Real(1), row};
+    row_lse = qkv::detail::merge_softmax_parts<Real>(
+        1, s.dv, [&](std::int64_t) { return part; }, merged.data(),
+        static_cast<Real>(sinks[static_cast<std::size_t>(h)]));
+    std::copy(merged.begin(), merged.end(), row);
+  }
+}
+
 // Posts step t's K/V transfers: the held shard on to rank r + 1 while a
 // later rank needs it, and the receive of step t + 1's shard from r - 1
 // when this rank will hold one.
@@ -204,6 +224,7 @@ AttentionResult ring_forward(MPI_Comm comm, const Setup& s, ConstTensorView q, C
     st.wait_s += MPI_Wtime() - computed;
     std::swap(cur, next);
   }
+  if (!o.sinks.empty()) add_sinks<Real>(s, o.sinks, acc.data(), acc_lse.data());
   AttentionResult result;
   result.out = Tensor(s.dtype, {s.batch, s.nq, s.hq, s.dv});
   detail::store_from(acc.data(), contiguous_strides(result.out.sizes()), result.out);
@@ -343,6 +364,7 @@ AttentionGradients ring_backward(MPI_Comm comm, const Setup& s, ConstTensorView 
   detail::store_from(dq.data(), dq_strides, result.dq);
   detail::store_from(own.first_data<Real>(), dk_strides, result.dk);
   detail::store_from(own.second_data<Real>(), dv_strides, result.dv);
+  if (!o.sinks.empty()) result.d_sinks = detail::sink_gradients(comm, s, out, dout, lse, o);
   return result;
 }
 

@@ -13,6 +13,7 @@
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
+#include "reference/backward.hpp"
 
 namespace qkv::dist::detail {
 
@@ -182,6 +183,7 @@ Setup validate_collectively(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
     s.dv = p.dv;
     s.dtype = p.dtype;
     s.stat_dtype = p.stat_dtype;
+    s.problem = p;
   } catch (const Error& e) {
     r.insert(r.end(), e.reasons().begin(), e.reasons().end());
   }
@@ -310,11 +312,23 @@ AttentionOptions piece_options(const AttentionOptions& o, const Setup& s, const 
     }
     p.key_lengths = lengths;
   }
+  p.sinks = {};
   if (static_cast<std::int64_t>(o.alibi_slopes.size()) != s.hq && !o.alibi_slopes.empty()) {
     p.alibi_slopes = o.alibi_slopes.subspan(static_cast<std::size_t>(g.b0 * s.hq),
                                             static_cast<std::size_t>(g.count * s.hq));
   }
   return p;
+}
+
+Tensor sink_gradients(MPI_Comm comm, const Setup& s, ConstTensorView out, ConstTensorView dout,
+                      ConstTensorView lse, const AttentionOptions& o) {
+  Tensor mine(s.stat_dtype, {s.hq}), all(s.stat_dtype, {s.hq});
+  AttentionOptions local = o;
+  local.key_lengths = {};  // the problem's rows are this rank's, whole
+  qkv::reference::sink_gradients(s.problem, out, dout, lse, local, mine.view());
+  MPI_Allreduce(mine.view().data(), all.view().data(), static_cast<int>(s.hq),
+                s.stat_dtype == DType::f64 ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, comm);
+  return all;
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/checks.hpp"
+#include "core/problem.hpp"
 #include "qkv/distributed.hpp"
 
 namespace qkv::dist::detail {
@@ -37,6 +38,7 @@ struct Setup {
   DType dtype = DType::f32;
   DType stat_dtype = DType::f32;  // of lse
   Layout layout = Layout::contiguous;
+  qkv::detail::AttentionProblem problem;  // this rank's shard as one call
   std::int64_t total_q() const { return nq * ranks; }
   std::int64_t total_k() const { return nk * ranks; }
 };
@@ -81,10 +83,16 @@ std::vector<int> last_holders(const Setup& s, const AttentionOptions& o,
 
 // The options of one (query chunk, key chunk) piece: global positions and
 // dropout coordinates through options.shard, key lengths local to the chunk
-// (into `lengths`), per-sequence slopes of the group.
+// (into `lengths`), per-sequence slopes of the group, and no sinks (the
+// ring adds them once, to the merged rows).
 AttentionOptions piece_options(const AttentionOptions& o, const Setup& s, const BatchGroup& g,
                                const Chunk& qc, const Chunk& kc,
                                std::vector<std::int64_t>& lengths);
+
+// d_sinks of the whole problem on every rank: each rank's rows' part
+// (reference::sink_gradients), summed over the ranks. Collective.
+Tensor sink_gradients(MPI_Comm comm, const Setup& s, ConstTensorView out, ConstTensorView dout,
+                      ConstTensorView lse, const AttentionOptions& options);
 
 // Element moves between strided views and contiguous accumulators of Real.
 template <class Real>

@@ -73,8 +73,8 @@ Tensor to_rows(MPI_Comm comm, const Setup& s, ConstTensorView t) {
   return regroup(comm, s, t, 1, 2);
 }
 
-// The options of this rank's heads: dropout sees global heads, ALiBi the
-// slopes of those heads (into `slopes`).
+// The options of this rank's heads: dropout sees global heads, ALiBi and
+// sinks the values of those heads (ALiBi's into `slopes`).
 AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
                               std::vector<float>& slopes) {
   const std::int64_t hl = s.hq / s.ranks, h0 = s.rank * hl;
@@ -89,6 +89,9 @@ AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
       }
     }
     p.alibi_slopes = slopes;
+  }
+  if (!o.sinks.empty()) {
+    p.sinks = o.sinks.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
   }
   return p;
 }
@@ -133,6 +136,13 @@ AttentionGradients ulysses_attention_backward(MPI_Comm comm, ConstTensorView q, 
   result.dq = to_rows(comm, s, local.dq);
   result.dk = to_rows(comm, s, local.dk);
   result.dv = to_rows(comm, s, local.dv);
+  if (!options.sinks.empty()) {  // this rank's heads' gradients, gathered in head order
+    result.d_sinks = Tensor(s.stat_dtype, {s.hq});
+    const int count = static_cast<int>(s.hq / s.ranks);
+    const MPI_Datatype type = s.stat_dtype == DType::f64 ? MPI_DOUBLE : MPI_FLOAT;
+    MPI_Allgather(local.d_sinks.view().data(), count, type, result.d_sinks.view().data(), count,
+                  type, comm);
+  }
   return result;
 }
 

@@ -69,7 +69,8 @@ void attention_in(const AttentionProblem& p, ConstTensorView q, ConstTensorView 
             x = row_max == kNegInf ? Real(0) : std::exp(x - row_max);
             sum += x;
           }
-          const detail::RowFinish<Real> finish = detail::finish_row(row_max, sum);
+          const detail::RowFinish<Real> finish = detail::finish_row(
+              row_max, sum, detail::sink_of<Real>(o.sinks.data(), o.sinks.size(), h));
           for (Real& x : scores) x = round_to(x * finish.scale, rounding);  // the weights
           // out_i = sum_j P_ij Z_ij / (1 - p) v_j; lse and probs stay those of
           // P. A framework's dropout returns a tensor of its dtype, hence the

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/elements.hpp"
@@ -98,11 +99,11 @@ bool all_zero(const Real* x, std::int64_t n) {
   return std::all_of(x, x + n, [](Real e) { return e == 0; });
 }
 
-// The row's lse from its scores, finished by the epilogue
-// (core/softmax_epilogue.hpp): -inf when every score is -inf (no key
-// admitted), NaN when one is NaN or +inf.
+// The row's lse from its scores and its sink (-inf: none), finished by the
+// epilogue (core/softmax_epilogue.hpp): the sink (-inf without one) when
+// every score is -inf (no key admitted), NaN when one is NaN or +inf.
 template <class Real>
-Real logsumexp(const std::vector<Real>& scores) {
+Real logsumexp(const std::vector<Real>& scores, Real sink) {
   constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
   Real max = kNegInf;
   for (const Real x : scores) max = std::isnan(x) || x > max ? x : max;
@@ -111,7 +112,7 @@ Real logsumexp(const std::vector<Real>& scores) {
   if (max != kNegInf) {
     for (const Real x : scores) sum += std::exp(x - max);
   }
-  return detail::finish_row(max, sum).lse;
+  return detail::finish_row(max, sum, sink).lse;
 }
 
 // The backward loops in arithmetic `Real`; P, dP and dS are rounded to
@@ -172,7 +173,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
             scores[j] = round_to(add_biases(head, i, j, soft_capped(o, raw_scores[j])), rounding);
           }
           const Real row_lse =
-              own_lse ? logsumexp(scores)
+              own_lse ? logsumexp(scores, detail::sink_of<Real>(o.sinks.data(), o.sinks.size(), h))
                       : static_cast<Real>(load(
                             lse.data(), lse.dtype(),
                             seq.batch * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)));
@@ -266,6 +267,32 @@ void attention_backward(const detail::AttentionProblem& p, ConstTensorView q, Co
   // the caller's (f32, half an ulp of |lse| off in the exponent), unless the
   // keys are only a block of the row's (a piece of a larger call).
   backward_in<double>(p, q, k, v, out, dout, lse, grads, o, DType::f64, !o.shard.partial_keys);
+}
+
+void sink_gradients(const detail::AttentionProblem& p, ConstTensorView out, ConstTensorView dout,
+                    ConstTensorView lse, const AttentionOptions& o, TensorView d_sinks) {
+  std::vector<double> out_row(static_cast<std::size_t>(p.dv));
+  std::vector<double> dout_row(static_cast<std::size_t>(p.dv));
+  for (std::int64_t h = 0; h < p.hq; ++h) {
+    double g = 0;
+    for (std::int64_t s = 0; s < p.sequences; ++s) {
+      const detail::SequenceExtent seq = p.sequence(s, o);
+      g += detail::sink_gradient<double>(
+          o.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
+            const std::int64_t row = seq.q_begin + i;
+            for (std::int64_t c = 0; c < p.dv; ++c) {
+              const Shape at = {seq.batch, row, h, c};
+              out_row[c] = load(out.data(), out.dtype(), detail::offset(at, out.strides(), 4));
+              dout_row[c] = load(dout.data(), dout.dtype(), detail::offset(at, dout.strides(), 4));
+            }
+            const Shape at = {seq.batch, h, row};
+            return std::pair<double, double>{
+                load(lse.data(), lse.dtype(), detail::offset(at, lse.strides(), 3)),
+                detail::row_delta(dout_row.data(), out_row.data(), p.dv)};
+          });
+    }
+    detail::store(d_sinks.data(), d_sinks.dtype(), h * d_sinks.stride(0), g);
+  }
 }
 
 void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView q,

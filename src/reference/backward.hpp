@@ -25,4 +25,13 @@ void naive_attention_backward(const detail::AttentionProblem& problem, ConstTens
                               const GradientOutputs& grads, const AttentionOptions& options,
                               DType precision);
 
+// d_sinks[h] = -sum over the rows (b, i) of head h of e^(S_h - lse) D_bi,
+// with D = <dout, out> in double (core/softmax_epilogue.hpp), from the
+// caller's out, dout and lse: the same for every backend, and for a call
+// that is one shard of a larger problem's query rows. Rows outside every
+// packed sequence take no part.
+void sink_gradients(const detail::AttentionProblem& problem, ConstTensorView out,
+                    ConstTensorView dout, ConstTensorView lse, const AttentionOptions& options,
+                    TensorView d_sinks);
+
 }  // namespace qkv::reference

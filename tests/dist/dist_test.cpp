@@ -123,6 +123,7 @@ struct Config {
 
 std::vector<std::int64_t> g_lengths;  // storage for key_lengths spans
 std::vector<float> g_slopes;
+std::vector<float> g_sinks;  // one logit per query head, resized by the caller
 
 std::vector<Config> Configs(int ranks) {
   const std::int64_t total = 8 * ranks;
@@ -178,13 +179,31 @@ std::vector<Config> Configs(int ranks) {
          o.key_lengths = g_lengths;
          o.align = Align::top_left;
        }},
+      {"sinks, causal", 8, 8,
+       [](AttentionOptions& o) {
+         o.sinks = g_sinks;
+         o.causal = true;
+       }},
+      {"sinks, key lengths, one empty", 8, 8,
+       [total](AttentionOptions& o) {
+         g_lengths = {0, total - 1};
+         o.key_lengths = g_lengths;
+         o.sinks = g_sinks;
+       }},
   };
 }
 
 constexpr std::int64_t kBatch = 2, kHq = 4, kHkv = 2, kD = 16;
 
+// Logits of both signs and sizes, one per query head.
+void SetSinks(std::int64_t hq) {
+  g_sinks.clear();
+  for (std::int64_t h = 0; h < hq; ++h) g_sinks.push_back(1.5f - 0.75f * static_cast<float>(h));
+}
+
 void CheckRing(dist::Layout layout, bool backward) {
   const int rank = Rank(), ranks = Ranks();
+  SetSinks(kHq);
   for (const Config& c : Configs(ranks)) {
     SCOPED_TRACE(c.name);
     AttentionOptions o;
@@ -216,6 +235,8 @@ void CheckRing(dist::Layout layout, bool backward) {
     ExpectWithinModel("dq", g.dq, TakeRows(gs.dq, 1, qrows), TakeRows(ge.dq, 1, qrows), ranks);
     ExpectWithinModel("dk", g.dk, TakeRows(gs.dk, 1, krows), TakeRows(ge.dk, 1, krows), ranks);
     ExpectWithinModel("dv", g.dv, TakeRows(gs.dv, 1, krows), TakeRows(ge.dv, 1, krows), ranks);
+    ASSERT_EQ(g.d_sinks.defined(), !o.sinks.empty());
+    if (!o.sinks.empty()) ExpectWithinModel("d_sinks", g.d_sinks, gs.d_sinks, ge.d_sinks, ranks);
     // Deterministic: a second run gives the same bits.
     const AttentionGradients again =
         dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, got.out, dout, got.lse, o, ro);
@@ -292,6 +313,7 @@ TEST(Ring, ZigzagBalancesCausalWork) {
 TEST(Ulysses, ForwardAndBackward) {
   const int rank = Rank(), ranks = Ranks();
   const std::int64_t hkv = ranks, hq = 2 * ranks;  // heads divide over ranks, GQA group 2
+  SetSinks(hq);
   for (const Config& c : Configs(ranks)) {
     SCOPED_TRACE(c.name);
     AttentionOptions o;
@@ -323,6 +345,8 @@ TEST(Ulysses, ForwardAndBackward) {
     ExpectWithinModel("dq", g.dq, TakeRows(gs.dq, 1, qrows), TakeRows(ge.dq, 1, qrows), 1);
     ExpectWithinModel("dk", g.dk, TakeRows(gs.dk, 1, krows), TakeRows(ge.dk, 1, krows), 1);
     ExpectWithinModel("dv", g.dv, TakeRows(gs.dv, 1, krows), TakeRows(ge.dv, 1, krows), 1);
+    ASSERT_EQ(g.d_sinks.defined(), !o.sinks.empty());
+    if (!o.sinks.empty()) ExpectWithinModel("d_sinks", g.d_sinks, gs.d_sinks, ge.d_sinks, 1);
   }
 }
 

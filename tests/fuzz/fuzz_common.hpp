@@ -687,7 +687,7 @@ struct AttentionCase {
   DType dtype = DType::f32;
   std::int64_t batch = 1, nq = 1, nk = 1, hq = 1, hkv = 1, dq = 1, dk = 1, dv = 1;
   std::vector<std::int64_t> key_lengths, cu_q, cu_k;
-  std::vector<float> slopes;
+  std::vector<float> slopes, sinks;
   Arg q, k, v, mask, w_q, w_k, add_v, add_bias, table;
   AttentionOptions opt;
   double qk_magnitude = 0.0;  // largest |q|, |k| the values were drawn with
@@ -992,6 +992,28 @@ inline void fuzz_alibi(Input& in, AttentionCase& c) {
   c.note("alibi x" + std::to_string(c.slopes.size()));
 }
 
+// Learned sinks: a logit per query head (-inf = none for that head), and
+// now and then a NaN, +inf or a wrong count that validation must refuse.
+inline void fuzz_sinks(Input& in, AttentionCase& c) {
+  SplitMix gen(in.u64());
+  for (std::int64_t h = 0; h < c.hq; ++h) {
+    c.sinks.push_back(in.one_in(5) ? -std::numeric_limits<float>::infinity()
+                                   : static_cast<float>(4 * gen.symmetric()));
+  }
+  if (in.one_in(8)) {
+    const float bad = in.coin() ? std::numeric_limits<float>::quiet_NaN()
+                                : std::numeric_limits<float>::infinity();
+    c.sinks[static_cast<std::size_t>(in.range(0, c.hq - 1))] = bad;
+    c.reject("sink NaN or +inf");
+  }
+  if (in.one_in(12)) {
+    c.sinks.push_back(0.0f);
+    c.reject("sink count");
+  }
+  c.opt.sinks = c.sinks;
+  c.note("sinks x" + std::to_string(c.sinks.size()));
+}
+
 inline void fuzz_relative_bias(Input& in, AttentionCase& c) {
   c.opt.relative_bias.bidirectional = in.coin();
   const std::int64_t buckets = in.range(c.opt.relative_bias.bidirectional ? 4 : 2, 12);
@@ -1099,6 +1121,7 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
   if (in.one_in(4)) fuzz_key_lengths(in, c);
   if (in.one_in(4)) fuzz_mask(in, c);
   if (in.one_in(5)) fuzz_alibi(in, c);
+  if (in.one_in(5)) fuzz_sinks(in, c);
   if (in.one_in(6)) fuzz_relative_bias(in, c);
   if (in.one_in(5)) fuzz_softcap(in, c);
   if (in.one_in(6)) fuzz_dropout(in, c);

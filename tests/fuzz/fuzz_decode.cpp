@@ -342,7 +342,7 @@ void fuzz_decode(Input& in, KvCache& cache) {
   Arg q = qkv::fuzz::make_input(in, {cfg.batch, n, hq, dk}, dtype, vq);
 
   AttentionOptions opt;
-  std::vector<float> slopes;
+  std::vector<float> slopes, sinks;
   static constexpr qkv::Backend kBackends[] = {qkv::Backend::automatic, qkv::Backend::fast,
                                                qkv::Backend::reference};
   opt.backend = in.pick(kBackends);
@@ -378,6 +378,18 @@ void fuzz_decode(Input& in, KvCache& cache) {
       must_reject = "ALiBi slope count";
     }
     opt.alibi_slopes = slopes;
+  }
+  if (in.one_in(5)) {
+    qkv::fuzz::SplitMix gen(in.u64());
+    for (std::int64_t h = 0; h < hq; ++h) {
+      sinks.push_back(in.one_in(5) ? -std::numeric_limits<float>::infinity()
+                                   : static_cast<float>(4 * gen.symmetric()));
+    }
+    if (in.one_in(10)) {
+      sinks.push_back(0.0f);
+      must_reject = "sink count";
+    }
+    opt.sinks = sinks;
   }
   if (in.one_in(4)) {
     opt.window_left = in.param(-1, 20);

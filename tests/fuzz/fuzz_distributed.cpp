@@ -116,6 +116,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t h = 0; h < hq; ++h) slopes.push_back(static_cast<float>(in.range(0, 8)) / 8);
     o.alibi_slopes = slopes;
   }
+  std::vector<float> sinks;
+  if (in.one_in(4)) {
+    for (std::int64_t h = 0; h < hq; ++h) sinks.push_back(static_cast<float>(in.range(-8, 8)) / 4);
+    o.sinks = sinks;
+  }
   if (in.one_in(4)) o.softcap = static_cast<double>(in.range(1, 20));
   if (in.one_in(4)) {
     o.dropout_p = static_cast<double>(in.range(1, 9)) / 10;
