@@ -164,6 +164,7 @@ Error naming_flags(const Error& e) {
       {"options.key_lengths", "--key-lengths"},
       {"options.mask", "--mask"},
       {"options.alibi_slopes", "--alibi-slopes"},
+      {"options.sinks", "--sinks"},
       {"options.softcap", "--softcap"},
       {"options.dropout_p", "--dropout"}};
   std::vector<std::string> reasons;
@@ -228,10 +229,24 @@ std::string non_finite_inputs(
 }
 
 // The option values, checked; the files each output goes to.
+// The values of a floating-point .npy file, as f32, into `values`; returns
+// the file's shape as text.
+std::string load_floats(const std::string& file, const std::string& flag,
+                        std::vector<float>& values) {
+  const Tensor t = load_npy(file);
+  if (t.dtype() == DType::boolean) {
+    throw Error(flag + ": expected floating-point values, got bool in '" + file + "'");
+  }
+  const Tensor f = to_dtype(t, DType::f32);
+  values.assign(f.data<float>(), f.data<float>() + f.numel());
+  return shape_text(t);
+}
+
 struct Plan {
   AttentionOptions options;
   std::vector<std::int64_t> key_lengths;
   std::vector<float> slopes;
+  std::vector<float> sinks;
   Tensor mask;
   std::vector<std::string> described;  // options as text, for the summary
 };
@@ -240,14 +255,15 @@ struct Plan {
 // can be written (so that no output is written unless all can be).
 void check_outputs(const AttendOptions& o) {
   std::set<std::string> seen;
-  const std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.dout};
+  const std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.sinks, o.dout};
   for (const auto& [flag, path] :
        std::vector<std::pair<std::string, std::string>>{{"-o", o.out},
                                                         {"--lse", o.lse},
                                                         {"--probs", o.probs},
                                                         {"--dq", o.dq},
                                                         {"--dk", o.dk},
-                                                        {"--dv", o.dv}}) {
+                                                        {"--dv", o.dv},
+                                                        {"--d-sinks", o.d_sinks}}) {
     if (path.empty()) continue;
     if (!seen.insert(path).second) throw Error(flag + ": '" + path + "' is also another output");
     if (inputs.count(path) != 0) throw Error(flag + ": '" + path + "' is also an input");
@@ -305,16 +321,14 @@ Plan plan_of(const AttendOptions& o, std::int64_t hq) {
     p.slopes = alibi_slopes(hq);
     p.described.push_back("ALiBi");
   } else if (!o.alibi_slopes.empty()) {
-    const Tensor s = load_npy(o.alibi_slopes);
-    if (s.dtype() == DType::boolean) {
-      throw Error("--alibi-slopes: expected floating-point slopes, got bool in '" + o.alibi_slopes +
-                  "'");
-    }
-    const Tensor f = to_dtype(s, DType::f32);
-    p.slopes.assign(f.data<float>(), f.data<float>() + f.numel());
-    p.described.push_back("ALiBi slopes " + shape_text(s));
+    p.described.push_back("ALiBi slopes " +
+                          load_floats(o.alibi_slopes, "--alibi-slopes", p.slopes));
   }
   a.alibi_slopes = p.slopes;
+  if (!o.sinks.empty()) {
+    p.described.push_back("sinks " + load_floats(o.sinks, "--sinks", p.sinks));
+    a.sinks = p.sinks;
+  }
   a.softcap = o.softcap;
   if (o.softcap != 0.0) p.described.push_back("softcap " + number(o.softcap));
   a.dropout_p = o.dropout;
@@ -342,11 +356,14 @@ void check_flags(const AttendOptions& o) {
   if (o.threads < 0)
     throw Error("--threads: expected a count >= 1, got " + std::to_string(o.threads));
   const bool backward = !o.dout.empty();
-  if (!backward && (!o.dq.empty() || !o.dk.empty() || !o.dv.empty())) {
-    throw Error("--dq/--dk/--dv: expected --backward DOUT with them");
+  if (!backward && (!o.dq.empty() || !o.dk.empty() || !o.dv.empty() || !o.d_sinks.empty())) {
+    throw Error("--dq/--dk/--dv/--d-sinks: expected --backward DOUT with them");
   }
-  if (backward && o.dq.empty() && o.dk.empty() && o.dv.empty()) {
-    throw Error("--backward: expected at least one of --dq, --dk, --dv");
+  if (!o.d_sinks.empty() && o.sinks.empty()) {
+    throw Error("--d-sinks: expected --sinks FILE with it");
+  }
+  if (backward && o.dq.empty() && o.dk.empty() && o.dv.empty() && o.d_sinks.empty()) {
+    throw Error("--backward: expected at least one of --dq, --dk, --dv, --d-sinks");
   }
 }
 
@@ -385,18 +402,20 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     const auto start = std::chrono::steady_clock::now();
     attention_into(qv, kv, vv, {as_bnhd(result.view(), o.layout), lse.view(), probs.view()},
                    plan.options);
-    Tensor dout, dq, dk, dvt;
+    Tensor dout, dq, dk, dvt, d_sinks;
     if (!o.dout.empty()) {
       dout = load_npy(o.dout);
       if (dout.dtype() != q.dtype()) dout = to_dtype(dout, q.dtype());
       dq = allocate(q.dtype(), b, nq, hq, qv.size(3), o.layout);
       dk = allocate(q.dtype(), b, nk, kv.size(2), kv.size(3), o.layout);
       dvt = allocate(q.dtype(), b, nk, vv.size(2), dv, o.layout);
+      if (!plan.sinks.empty()) d_sinks = Tensor(stat, {hq});
       attention_backward_into(qv, kv, vv, as_bnhd(result.view(), o.layout),
                               as_bnhd(dout, o.layout, "dout (" + o.dout + ")"), lse,
                               {.dq = as_bnhd(dq.view(), o.layout),
                                .dk = as_bnhd(dk.view(), o.layout),
-                               .dv = as_bnhd(dvt.view(), o.layout)},
+                               .dv = as_bnhd(dvt.view(), o.layout),
+                               .d_sinks = d_sinks.view()},
                               plan.options);
     }
     const double ms =
@@ -410,6 +429,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dq.empty()) written.emplace_back(o.dq, &dq);
     if (!o.dk.empty()) written.emplace_back(o.dk, &dk);
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
+    if (!o.d_sinks.empty()) written.emplace_back(o.d_sinks, &d_sinks);
     for (const auto& [path, t] : written) save_npy(path, *t);
 
     // Inputs with NaN or infinities are computed as semantics.md defines, and noted.

@@ -23,6 +23,7 @@ struct AttendOptions {
   std::string mask;                    // bool (true = attend) or float (added) .npy
   bool alibi = false;                  // ALiBi with the paper's slopes
   std::string alibi_slopes;            // [Hq] or [B, Hq] .npy
+  std::string sinks;                   // [Hq] .npy: learned sink logits (gpt-oss)
   double softcap = 0.0;                // c > 0: c tanh(s / c)
   double dropout = 0.0;                // dropout probability, < 1
   std::uint64_t seed = 0;              // dropout seed
@@ -33,6 +34,7 @@ struct AttendOptions {
   std::string probs;                   // also write probabilities [B, Hq, Nq, Nk]
   std::string dout;                    // --backward: dLoss/dout, like out
   std::string dq, dk, dv;              // --backward: gradient files (each optional)
+  std::string d_sinks;                 // --backward with --sinks: dLoss/dsinks [Hq]
   bool json = false;                   // a JSON summary on stdout instead of the line on stderr
 };
 

@@ -191,6 +191,31 @@ TEST_F(Attend, PyTorchLayoutAndBackward) {
   EXPECT_TRUE(same_bits(back, fwd.out));
 }
 
+// Learned sinks from a file, forward and backward (with their gradient),
+// bit for bit the library's.
+TEST_F(Attend, SinksAndTheirGradient) {
+  const std::vector<float> sinks = {0.5f, -1.25f, 2.0f, 0.0f};
+  save_npy(path("sinks.npy"), ConstTensorView(sinks.data(), DType::f32, {4}));
+  const Tensor dout = random_tensor({2, 6, 4, 8}, 7);
+  save_npy(path("dout.npy"), dout);
+  AttentionOptions o;
+  o.causal = true;
+  o.sinks = sinks;
+  o.return_lse = true;
+  const AttentionResult fwd = attention(q_, k_, v_, o);
+  const AttentionGradients g = attention_backward(q_, k_, v_, fwd.out, dout, fwd.lse, o);
+
+  ASSERT_EQ(run("-o out.npy --causal --sinks sinks.npy --lse lse.npy --backward dout.npy "
+                "--dq dq.npy --d-sinks ds.npy"),
+            0)
+      << err_;
+  EXPECT_NE(err_.find("sinks [4]"), std::string::npos) << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), fwd.out));
+  EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), fwd.lse));
+  EXPECT_TRUE(same_bits(load_npy(path("dq.npy")), g.dq));
+  EXPECT_TRUE(same_bits(load_npy(path("ds.npy")), g.d_sinks));
+}
+
 // NaN and infinities in the inputs are computed as docs/semantics.md
 // defines them, and one line on stderr names each input that holds any; a
 // float mask's -inf drops a key, as meant, and is not noted.
@@ -234,6 +259,8 @@ TEST_F(Attend, NonFiniteInputsAreComputedAndNoted) {
 
 TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
   std::ofstream(path("existing.npy")) << "old contents";
+  const std::vector<float> two = {0.0f, 1.0f};
+  save_npy(path("two.npy"), ConstTensorView(two.data(), DType::f32, {2}));
   struct Case {
     std::string args, message;
   };
@@ -257,6 +284,8 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
       {"-o out.npy --softcap x", "--softcap"},
       {"-o out.npy --alibi --alibi-slopes q.npy", "expected one of them, got both"},
       {"-o out.npy --dq dq.npy", "expected --backward DOUT with them"},
+      {"-o out.npy --backward k.npy --d-sinks dq.npy", "--d-sinks: expected --sinks FILE"},
+      {"-o out.npy --sinks two.npy", "--sinks: expected Hq = 4 logits, got 2"},
       {"-o out.npy --lse out.npy", "is also another output"},
       {"-o q.npy", "is also an input"},
       {"-o nowhere/out.npy", "cannot write into folder 'nowhere/'"},
@@ -280,7 +309,7 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
   EXPECT_FALSE(fs::exists(dir_ / "out.npy"));
   std::size_t entries = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++entries;
-  EXPECT_EQ(entries, 6u);  // q, k, v, existing, stderr.txt, stdout.txt: nothing else
+  EXPECT_EQ(entries, 7u);  // q, k, v, two, existing, stderr.txt, stdout.txt: nothing else
 }
 
 }  // namespace

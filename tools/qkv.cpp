@@ -141,6 +141,9 @@ int main(int argc, char** argv) {
   attend->add_flag("--alibi", attend_options.alibi, "ALiBi with the paper's slopes");
   attend->add_option("--alibi-slopes", attend_options.alibi_slopes,
                      "ALiBi slopes [Hq] or [B, Hq] (.npy)");
+  attend->add_option("--sinks", attend_options.sinks,
+                     "Learned sink logits [Hq] (.npy): each joins\n"
+                     "its head's softmax denominators");
   attend->add_option("--softcap", attend_options.softcap, "c > 0: scores become c tanh(s / c)");
   attend->add_option("--dropout", attend_options.dropout, "Dropout probability (< 1)");
   attend->add_option("--seed", attend_options.seed, "Dropout seed");
@@ -159,6 +162,8 @@ int main(int argc, char** argv) {
   attend->add_option("--dq", attend_options.dq, "Write dLoss/dq (with --backward)");
   attend->add_option("--dk", attend_options.dk, "Write dLoss/dk (with --backward)");
   attend->add_option("--dv", attend_options.dv, "Write dLoss/dv (with --backward)");
+  attend->add_option("--d-sinks", attend_options.d_sinks,
+                     "Write dLoss/dsinks [Hq] (with --backward and --sinks)");
   attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
 
   CLI::App* viz = app.add_subcommand("viz", "Draw attention probabilities (.npy) as a PNG");
