@@ -169,7 +169,7 @@ inline Tensor sink_gradients_of(const qkv::detail::AttentionProblem& p, ConstTen
   for (std::int64_t h = 0; h < p.hq; ++h) {
     double sum = 0;
     for (std::int64_t s = 0; s < p.sequences; ++s) {
-      const qkv::detail::SequenceExtent seq = p.sequence(s, opt);
+      const qkv::detail::SequenceExtent seq = p.sequence(s);
       sum += qkv::detail::sink_gradient<double>(
           opt.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
             const std::int64_t row = seq.q_begin + i;

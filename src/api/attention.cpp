@@ -45,8 +45,9 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
     lse_scratch = Tensor(DType::f32, stat_sizes);
     lse = lse_scratch;
   }
-  cpu::FlashPlan plan = cpu::make_plan(problem, options, mods != nullptr ? *mods : function_mods, q,
-                                       k, v, outputs.out, lse, outputs.probs);
+  cpu::FlashPlan plan = cpu::make_plan(problem, cpu::lower(options, problem.scale),
+                                       mods != nullptr ? *mods : function_mods, q, k, v,
+                                       outputs.out, lse, outputs.probs);
   if (outputs.probs.defined()) {
     row_max = Tensor(DType::f32, stat_sizes);
     row_scale = Tensor(DType::f32, stat_sizes);

@@ -41,8 +41,8 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   // mask_mod through std::function, one call per element of partial tiles.
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
-  const cpu::FlashPlan plan =
-      cpu::make_plan(p, o, mods, q, k, v, {}, {}, {}, cpu::flash_backward_config());
+  const cpu::FlashPlan plan = cpu::make_plan(p, cpu::lower(o, p.scale), mods, q, k, v, {}, {}, {},
+                                             cpu::flash_backward_config());
   return cpu::flash_backward(plan, {out, dout, lse, grads});
 }
 
@@ -59,18 +59,19 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
                        ConstTensorView lse, const GradientOutputs& grads,
                        const AttentionOptions& o) {
   if (detail::supports_all(detail::Path::additive_own_weights, o)) {
-    return cpu::additive_backward(p, o, q, k, v, out, dout, {}, grads);
+    return cpu::additive_backward(p, cpu::lower(o, p.scale), q, k, v, out, dout, {}, grads);
   }
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
   Tensor probs(DType::f32, {p.batch, p.hq, p.nq, p.nk});
-  cpu::FlashPlan plan = cpu::make_plan(p, o, mods, q, k, v, {}, {}, probs);
+  const cpu::KernelParams params = cpu::lower(o, p.scale);
+  cpu::FlashPlan plan = cpu::make_plan(p, params, mods, q, k, v, {}, {}, probs);
   Tensor row_max = to_dtype(lse, DType::f32), row_scale(DType::f32, {p.batch, p.hq, p.nq});
   detail::fill(row_scale, 1.0);
   plan.row_max = row_max;
   plan.row_scale = row_scale;
   cpu::flash_probabilities(plan);
-  return cpu::additive_backward(p, o, q, k, v, out, dout, probs, grads);
+  return cpu::additive_backward(p, params, q, k, v, out, dout, probs, grads);
 }
 
 // Runs a validated call on the backend the options choose: the fused
@@ -90,7 +91,9 @@ void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   bool tried_fast = false;
   if (!out.defined()) {
     if (fast && additive && detail::supports_all(detail::Path::additive_own_weights, o)) {
-      if (cpu::additive_backward(p, o, q, k, v, {}, dout, {}, grads)) return;
+      if (cpu::additive_backward(p, cpu::lower(o, p.scale), q, k, v, {}, dout, {}, grads)) {
+        return;
+      }
       tried_fast = true;
     }
     forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});

@@ -43,6 +43,7 @@ void check_unsupported(const AttentionOptions& o, Reasons& r) {
 struct DecodeShape {
   std::int64_t batch = 0, n = 0, hq = 0, dv = 0;
   DType dtype = DType::f32, stat_dtype = DType::f32;
+  double scale = 1.0;  // multiplies <q, k>
 };
 
 // Checks q, the options and (when given) out and lse, before anything is
@@ -83,7 +84,7 @@ DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorVi
                   " new queries (append their keys and values first)");
     }
   }
-  detail::check_scale(o, dk, r);
+  shape.scale = detail::check_scale(o, dk, r);
   detail::check_alibi(o, shape.hq, shape.batch, false, r);
   detail::check_sinks(o, shape.hq, r);
   detail::check_fast_dtype(o.backend, shape.dtype, r);
@@ -174,10 +175,13 @@ cache::KvView view_of(const KvCache& kv) {
 // Runs a validated call. A fused result holding a NaN or an infinity is
 // recomputed by the reference, which defines it (see docs/semantics.md).
 void run(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
-         const AttentionOptions& o) {
+         const AttentionOptions& o, double scale) {
   if (o.backend != Backend::reference && q.dtype() != DType::f64) {
     const cache::KvView view = view_of(cache);
-    cpu::DecodePlan plan = cpu::make_decode_plan(view, o, q, out, lse);
+    cpu::KernelParams params = cpu::lower(o, scale);
+    params.keys.causal = true;  // decoding's definition (reference_decode)
+    params.keys.align = Align::bottom_right;
+    cpu::DecodePlan plan = cpu::make_decode_plan(view, params, q, out, lse);
     cpu::decode(plan);
     if (detail::all_finite(out) && (!lse.defined() || detail::all_finite(lse, true))) return;
   }
@@ -192,14 +196,14 @@ AttentionResult decode_attention(ConstTensorView q, const KvCache& cache,
   AttentionResult result;
   result.out = Tensor(s.dtype, {s.batch, s.n, s.hq, s.dv});
   if (options.return_lse) result.lse = Tensor(s.stat_dtype, {s.batch, s.hq, s.n});
-  run(q, cache, result.out, result.lse.view(), options);
+  run(q, cache, result.out, result.lse.view(), options, s.scale);
   return result;
 }
 
 void decode_attention_into(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
                            const AttentionOptions& options) {
-  check_decode(q, cache, &out, lse, options);
-  run(q, cache, out, lse, options);
+  const DecodeShape s = check_decode(q, cache, &out, lse, options);
+  run(q, cache, out, lse, options, s.scale);
 }
 
 }  // namespace qkv

@@ -154,6 +154,9 @@ void check_sequences(const AttentionOptions& o, AttentionProblem& p, Reasons& r)
   const bool has_q = !o.cu_seqlens_q.empty();
   const bool has_k = !o.cu_seqlens_k.empty();
   p.sequences = p.batch;
+  p.cu_seqlens_q = o.cu_seqlens_q;
+  p.cu_seqlens_k = o.cu_seqlens_k;
+  p.key_lengths = o.key_lengths;
   if (has_q != has_k) {
     r.push_back(std::string("options.cu_seqlens_") + (has_q ? "k" : "q") +
                 ": expected together with cu_seqlens_" + (has_q ? "q" : "k") +
@@ -406,7 +409,7 @@ AttentionProblem check_attention_inputs(ConstTensorView q, ConstTensorView k, Co
     // Block layouts must cover every sequence (read once the offsets are valid).
     std::vector<std::int64_t> nq, nk;
     for (std::int64_t s = 0; s < p.sequences; ++s) {
-      const SequenceExtent e = p.sequence(s, options);
+      const SequenceExtent e = p.sequence(s);
       nq.push_back(e.nq);
       nk.push_back(e.nk_rows);
     }

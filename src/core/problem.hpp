@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "qkv/attention.hpp"
 
@@ -39,12 +40,15 @@ struct AttentionProblem {
   std::int64_t dv = 0;
   std::int64_t attention_size = 0;  // A of the additive score
   bool varlen = false;
+  // The sequences' offsets and valid keys: views of the call's
+  // options.cu_seqlens_q, cu_seqlens_k and key_lengths (valid while they are).
+  std::span<const std::int64_t> cu_seqlens_q, cu_seqlens_k, key_lengths;
   double scale = 1.0;             // multiplies <q, k> (1 for Score::dot)
   DType dtype = DType::f32;       // of q, k, v and out
   DType stat_dtype = DType::f32;  // of lse and probs
 
   std::int64_t group() const { return hkv == 0 ? 0 : hq / hkv; }
-  SequenceExtent sequence(std::int64_t s, const AttentionOptions& options) const;
+  SequenceExtent sequence(std::int64_t s) const;
 };
 
 }  // namespace qkv::detail

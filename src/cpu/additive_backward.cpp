@@ -175,8 +175,8 @@ void WeightsFromScores(float* s, std::int64_t keys) {
 
 }  // namespace
 
-bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions& o,
-                       ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
+bool additive_backward(const detail::AttentionProblem& p, const KernelParams& o, ConstTensorView q,
+                       ConstTensorView k, ConstTensorView v, ConstTensorView out,
                        ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads) {
   const std::int64_t A = p.attention_size, a_pad = (A + 15) / 16 * 16;
   const std::int64_t rows_q = p.batch * p.nq * p.hq;             // rows of q, out, dout
@@ -212,7 +212,7 @@ bool additive_backward(const detail::AttentionProblem& p, const AttentionOptions
   const std::int64_t ld_q = p.hq * p.dv, ld_k = p.hkv * p.dv;  // row strides of one head
 #pragma omp parallel for schedule(dynamic) if (items > 1)
   for (std::int64_t item = 0; item < items; ++item) {
-    const detail::SequenceExtent seq = p.sequence(item / p.hkv, o);
+    const detail::SequenceExtent seq = p.sequence(item / p.hkv);
     const std::int64_t hk = item % p.hkv, nq = seq.nq, nk = seq.nk;
     if (nq == 0 || nk == 0) continue;
     const std::int64_t k_row = (seq.batch * p.nk + seq.k_begin) * p.hkv + hk;  // key 0's row

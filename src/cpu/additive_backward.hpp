@@ -21,6 +21,7 @@
 #pragma once
 
 #include "core/problem.hpp"
+#include "cpu/params.hpp"
 #include "qkv/backward.hpp"
 
 namespace qkv::cpu {
@@ -36,7 +37,7 @@ namespace qkv::cpu {
 // over (sequence, KV head) pairs, each written by one thread, with GEMMs
 // cut into fixed blocks, so the result does not depend on the thread count.
 // Returns whether every gradient is finite.
-bool additive_backward(const detail::AttentionProblem& problem, const AttentionOptions& options,
+bool additive_backward(const detail::AttentionProblem& problem, const KernelParams& params,
                        ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
                        ConstTensorView dout, ConstTensorView probs, const GradientOutputs& grads);
 

@@ -324,12 +324,12 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
 inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std::int64_t length,
                                std::int64_t j0, std::int64_t cols, bool alibi,
                                const std::vector<float>& slopes, float* HWY_RESTRICT s) {
-  const AttentionOptions& o = *plan.options;
+  const KernelParams& o = plan.params;
   std::uint8_t keep[kDecodeBlock];
   for (std::int64_t r = 0; r < sh.rows; ++r) {
     const std::int64_t h = r / plan.n, t = r % plan.n;
-    const detail::KeyRange range = decode_key_range(o, plan.n, length, t);
-    const std::int64_t pos = decode_position(plan.n, length, t);
+    const detail::KeyRange range = decode_key_range(plan, length, t);
+    const std::int64_t pos = decode_position(plan, length, t);
     for (std::int64_t c = 0; c < cols; ++c) {
       const std::int64_t j = j0 + c;
       float& x = s[c * sh.rows_pad + r];
@@ -405,7 +405,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   using T = typename Traits::Stored;
-  const AttentionOptions& o = *plan.options;
+  const KernelParams& o = plan.params;
   const cache::KvView& cache = *plan.cache;
   const ItemShape sh{lanes,
                      plan.hkv,
@@ -428,19 +428,17 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
 
   std::vector<float> slopes(static_cast<std::size_t>(plan.hq), 0.0f);
   if (!o.alibi_slopes.empty()) {
-    const bool per_batch = static_cast<std::int64_t>(o.alibi_slopes.size()) != plan.hq;
     for (std::int64_t h = 0; h < plan.hq; ++h) {
-      slopes[static_cast<std::size_t>(h)] =
-          o.alibi_slopes[static_cast<std::size_t>(per_batch ? item.b * plan.hq + h : h)];
+      slopes[static_cast<std::size_t>(h)] = o.slope(item.b, h, plan.hq);
     }
   }
   // Blocks inside every row's range need no mask: keys from the largest
   // window start up to the first row's position.
   std::int64_t open_lo = 0;
   for (std::int64_t t = 0; t < plan.n; ++t) {
-    open_lo = std::max(open_lo, decode_key_range(o, plan.n, length, t).lo);
+    open_lo = std::max(open_lo, decode_key_range(plan, length, t).lo);
   }
-  const std::int64_t open_hi = decode_key_range(o, plan.n, length, 0).hi;
+  const std::int64_t open_hi = decode_key_range(plan, length, 0).hi;
   const bool alibi = !o.alibi_slopes.empty();
   const bool transform = o.softcap > 0.0 || alibi || o.sparse.defined();
 
@@ -509,7 +507,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
 // (core/softmax_epilogue.hpp).
 inline void DecodeMerge(DecodePlan& plan) {
   const Floats row = AllocFloats(plan.dv);
-  const std::span<const float> sinks = plan.options->sinks;
+  const std::span<const float> sinks = plan.params.sinks;
   for (std::size_t first = 0; first < plan.items.size();
        first += static_cast<std::size_t>(plan.splits)) {
     const std::int64_t b = plan.items[first].b;

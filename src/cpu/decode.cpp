@@ -38,11 +38,11 @@ constexpr std::int64_t kTargetItems = 16;
 
 }  // namespace
 
-DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& options,
+DecodePlan make_decode_plan(const cache::KvView& cache, const KernelParams& params,
                             ConstTensorView q, TensorView out, TensorView lse) {
   DecodePlan plan;
   plan.cache = &cache;
-  plan.options = &options;
+  plan.params = params;
   plan.q = q;
   plan.out = out;
   plan.lse = lse;
@@ -52,8 +52,7 @@ DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& 
   plan.dk = q.size(3);
   plan.hkv = cache.kv_heads;
   plan.dv = cache.value_dim;
-  plan.scale = static_cast<float>(
-      options.score == Score::dot ? 1.0 : options.scale.value_or(1.0 / std::sqrt(double(plan.dk))));
+  plan.scale = static_cast<float>(params.scale);
   plan.rows = plan.hq * plan.n;
   plan.dv_pad = (plan.dv + 15) / 16 * 16;  // a multiple of any vector width
 
@@ -64,7 +63,7 @@ DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& 
   for (std::int64_t b = 0; b < plan.batch; ++b) {
     const std::int64_t length = cache.length(b);
     // Keys before the first row's window are never read.
-    const std::int64_t first = decode_key_range(options, plan.n, length, 0).lo;
+    const std::int64_t first = decode_key_range(plan, length, 0).lo;
     for (std::int64_t s = 0; s < plan.splits; ++s) {
       const std::int64_t span = length - first;
       plan.items.push_back({b, first + span * s / plan.splits, first + span * (s + 1) / plan.splits,

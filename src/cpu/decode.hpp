@@ -8,7 +8,7 @@
 
 #include "cache/view.hpp"
 #include "core/key_range.hpp"
-#include "qkv/attention.hpp"
+#include "cpu/params.hpp"
 
 namespace qkv::cpu {
 
@@ -23,10 +23,10 @@ struct DecodeItem {
 
 struct DecodePlan {
   const cache::KvView* cache = nullptr;
-  const AttentionOptions* options = nullptr;
-  ConstTensorView q;  // [B, n, Hq, Dk]
-  TensorView out;     // [B, n, Hq, Dv]
-  TensorView lse;     // f32 [B, Hq, n] or undefined
+  KernelParams params;  // the call's options, lowered (keys: causal, bottom-right)
+  ConstTensorView q;    // [B, n, Hq, Dk]
+  TensorView out;       // [B, n, Hq, Dv]
+  TensorView lse;       // f32 [B, Hq, n] or undefined
   std::int64_t batch = 0, n = 0, hq = 0, hkv = 0, dk = 0, dv = 0;
   float scale = 1.0f;
   // Splits per sequence: from B and the longest sequence only, never from
@@ -41,19 +41,18 @@ struct DecodePlan {
 };
 
 // The key-axis position of query token t of a call of n tokens against a
-// sequence holding `length` (bottom-right: the last token is at length - 1),
-// and the keys it admits: causal, and the options' window.
-inline std::int64_t decode_position(std::int64_t n, std::int64_t length, std::int64_t t) {
-  return t + detail::query_offset(Align::bottom_right, 0, n, length);
+// sequence holding `length` (the plan's key rule is bottom-right: the last
+// token is at length - 1), and the keys it admits.
+inline std::int64_t decode_position(const DecodePlan& plan, std::int64_t length, std::int64_t t) {
+  return t + plan.params.keys.offset(plan.n, length);
 }
-inline detail::KeyRange decode_key_range(const AttentionOptions& o, std::int64_t n,
-                                         std::int64_t length, std::int64_t t) {
-  return detail::key_range(true, o.window_left, o.window_right, decode_position(n, length, t),
-                           length);
+inline detail::KeyRange decode_key_range(const DecodePlan& plan, std::int64_t length,
+                                         std::int64_t t) {
+  return plan.params.keys.range(decode_position(plan, length, t), length);
 }
 
 // Builds the items and workspace of a validated decode call.
-DecodePlan make_decode_plan(const cache::KvView& cache, const AttentionOptions& options,
+DecodePlan make_decode_plan(const cache::KvView& cache, const KernelParams& params,
                             ConstTensorView q, TensorView out, TensorView lse);
 
 // Runs the items on OpenMP threads and merges the splits in order.

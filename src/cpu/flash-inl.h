@@ -211,10 +211,10 @@ inline void AdditiveScoresTransposed(const float* HWY_RESTRICT qa, std::int64_t 
 
 inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   UnitGeometry g;
-  g.seq = plan.problem->sequence(u.s, *plan.options);
+  g.seq = plan.problem->sequence(u.s);
   g.group = plan.problem->group();
   g.positions = u.positions;
-  g.offset = detail::query_offset(*plan.options, g.seq.nq, g.seq.nk);
+  g.offset = plan.params.keys.offset(g.seq.nq, g.seq.nk);
   return g;
 }
 
@@ -224,9 +224,9 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
 inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                          std::int64_t j0, std::int64_t cols, float* HWY_RESTRICT s,
                          std::int64_t rows_pad) {
-  const AttentionOptions& o = *plan.options;
-  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.dropout_p));
-  const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
+  const DropoutParams& o = plan.params.dropout;
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.p));
+  const std::uint32_t threshold = detail::dropout_threshold(o.p);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t bh =
         detail::dropout_stream(o.shard, plan.problem->hq, u.s, u.hkv * g.group + gi);
@@ -235,7 +235,7 @@ inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometr
       for (std::int64_t c = 0; c < cols;) {
         const std::int64_t j = j0 + c + o.shard.key;
         const detail::PhiloxCounter words =
-            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t + o.shard.row, j);
+            detail::dropout_words(o.seed, o.offset, bh, u.i0 + t + o.shard.row, j);
         for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
           float& x = col[c * rows_pad];
           x = (words[static_cast<std::size_t>(w)] >> 8) >= threshold ? x * keep_scale : 0.0f;
@@ -252,7 +252,7 @@ inline const float* KeyRows(const FlashPlan& plan, const Unit& u, const UnitGeom
                             Scratch& sc) {
   const std::int64_t dk = plan.problem->dk;
   if (cache.k != nullptr) return cache.k + (j0 - cache.begin) * cache.k_ld;
-  float* dst = plan.options->score == Score::additive ? sc.v.get() : sc.k.get();
+  float* dst = plan.params.score == Score::additive ? sc.v.get() : sc.k.get();
   PackRows(plan.k, g.seq, j0, cols, u.hkv, dk, dst);
   return dst;
 }
@@ -276,7 +276,7 @@ inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry
                         std::int64_t cols, const KeySpan* panel_keys, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
   const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
-  if (plan.options->score == Score::additive) {
+  if (plan.params.score == Score::additive) {
     // Keys projected through W_k (+ bias) into [cols][a_pad].
     Project(k_rows, cols, p.dk, plan.additive_w_k, plan.additive_bias, p.attention_size,
             shape.a_pad, sc.k.get());
@@ -339,7 +339,7 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
     const std::uint8_t* ahead = src + kRowsAhead * row_bytes;
     for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
   };
-  if (plan.options->score == Score::additive) {
+  if (plan.params.score == Score::additive) {
     std::fill(sc.q.get() + rows * p.dq, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::uint8_t* src = QueryRow(plan, u, g, r);
@@ -355,7 +355,7 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
   using V = hn::Vec<decltype(d)>;
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(decltype(d)()));
   const std::int64_t nr = PanelWidth();
-  const auto scale = hn::Set(d, static_cast<float>(p.scale));
+  const auto scale = hn::Set(d, static_cast<float>(plan.params.scale));
   std::fill(sc.q.get() + RoundUp(rows, nr) * p.dq, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
   // f32 rows with unit stride are read in place; others are converted into
   // sc.q_rows first ([Lanes][Dq]).
@@ -392,7 +392,8 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
     }
     for (std::int64_t k = dq_vectors; k < p.dq; ++k) {
       for (std::int64_t i = 0; i < kLanes; ++i) {
-        panel[k * nr + i] = x[i] != nullptr ? x[i][k] * static_cast<float>(p.scale) : 0.0f;
+        panel[k * nr + i] =
+            x[i] != nullptr ? x[i][k] * static_cast<float>(plan.params.scale) : 0.0f;
       }
     }
   }
@@ -406,8 +407,8 @@ struct BlockSpan {
 };
 inline BlockSpan SpanOf(const FlashPlan& plan, const Unit& u, const UnitGeometry& g) {
   BlockSpan b;
-  b.first = detail::key_range(*plan.options, u.i0 + g.offset, g.seq.nk);
-  b.last = detail::key_range(*plan.options, u.i0 + u.positions - 1 + g.offset, g.seq.nk);
+  b.first = plan.params.keys.range(u.i0 + g.offset, g.seq.nk);
+  b.last = plan.params.keys.range(u.i0 + u.positions - 1 + g.offset, g.seq.nk);
   const std::int64_t bk = plan.config.keys;
   b.begin = b.first.lo / bk;
   b.end = b.last.hi > b.first.lo ? (b.last.hi + bk - 1) / bk : b.begin;
@@ -431,12 +432,12 @@ inline void BlockKeySpans(const FlashPlan& plan, const Unit& u, const UnitGeomet
       KeySpan span{cols, 0};
       if (r < rows) {
         const std::int64_t i = u.i0 + r % g.positions;
-        const detail::KeyRange kr = detail::key_range(*plan.options, i + g.offset, g.seq.nk);
+        const detail::KeyRange kr = plan.params.keys.range(i + g.offset, g.seq.nk);
         std::int64_t begin = std::clamp<std::int64_t>(kr.lo - j0, 0, cols);
         std::int64_t end = std::clamp<std::int64_t>(kr.hi - j0, 0, cols);
         if (pattern) {
           const detail::KeyInterval keys = detail::row_key_span(
-              plan.options->sparse, u.hkv * g.group + r / g.positions, i, i + g.offset, j0, cols);
+              plan.params.sparse, u.hkv * g.group + r / g.positions, i, i + g.offset, j0, cols);
           begin = std::max(begin, keys.begin - j0);
           end = std::min(end, keys.end - j0);
         }
@@ -469,7 +470,7 @@ inline void ForEachOpenBlock(const FlashPlan& plan, const Unit& u, const UnitGeo
     const BlockClass mask_class = MaskClass(plan, u, jb);
     if (mask_class == BlockClass::empty) continue;
     const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
-    const bool pattern_cut = plan.options->sparse.defined() && mask_class == BlockClass::partial;
+    const bool pattern_cut = plan.params.sparse.defined() && mask_class == BlockClass::partial;
     const bool spans = range_partial || pattern_cut;
     if (spans) {
       BlockKeySpans(plan, u, g, j0, cols, pattern_cut, sc);
@@ -544,7 +545,7 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
           clear_o();
         }
         o_written = true;
-        if (plan.options->dropout_p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
+        if (plan.params.dropout.p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
         const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
         AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.row_stride, v.panel_stride,
                          shape.dv_pad, o, shape.dv_pad, overwrite);
@@ -556,7 +557,7 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
   const TensorView out = plan.out;
   const TensorView lse = plan.lse;
   bool finite = true;
-  const std::span<const float> sinks = plan.options->sinks;
+  const std::span<const float> sinks = plan.params.sinks;
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t h = u.hkv * g.group + gi;
     const float sink = detail::sink_of<float>(sinks.data(), sinks.size(), h);
@@ -682,7 +683,7 @@ inline bool KeysInPlace(const FlashPlan& plan, const Task& task, std::int64_t n)
   const ConstTensorView k = plan.k, v = plan.v;
   const detail::AttentionProblem& p = *plan.problem;
   if (task.unit_end - task.unit_begin != 1 || n > plan.config.keys ||
-      plan.options->score == Score::additive) {
+      plan.params.score == Score::additive) {
     return false;
   }
   const Unit& u = plan.units[static_cast<std::size_t>(task.unit_begin)];
@@ -794,7 +795,7 @@ bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
     for (std::int64_t i = 0; i < n; ++i) {
       const Task& task = plan.tasks[static_cast<std::size_t>(i)];
       PackedKeys cache = CacheTask(plan, task, shape, scratch);
-      if (cache.k == nullptr || plan.options->score == Score::additive) {
+      if (cache.k == nullptr || plan.params.score == Score::additive) {
         scratch.NeedBlockBuffers();
       }
       scratch.ahead.rows = 0;

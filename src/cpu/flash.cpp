@@ -83,7 +83,7 @@ std::vector<float> to_floats(ConstTensorView t, std::size_t padded_size = 0) {
 // Classifies the explicit masks (bool mask, mask_mod, sparse pattern) over
 // one block of one unit: empty if they admit nothing, full if they admit
 // everything.
-BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o,
+BlockClass classify(const detail::AttentionProblem& p, const KernelParams& o,
                     const detail::TileMods& mods, const detail::SequenceExtent& seq, const Unit& u,
                     std::int64_t j0, std::int64_t cols) {
   const std::int64_t group = p.group();
@@ -93,8 +93,8 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
   for (std::int64_t g = 0; g < group; ++g) {
     const std::int64_t h = u.hkv * group + g;
     std::int64_t admitted = total;
-    if (o.mask.defined() && o.mask.dtype() == DType::boolean) {
-      const ConstTensorView m = o.mask;
+    if (o.bool_mask.defined()) {
+      const ConstTensorView m = o.bool_mask;
       std::int64_t n = 0;
       const std::int64_t js = detail::mask_key_stride(m);
       for (std::int64_t t = 0; t < u.positions; ++t) {
@@ -112,7 +112,7 @@ BlockClass classify(const detail::AttentionProblem& p, const AttentionOptions& o
     }
     if (o.sparse.defined()) {
       // From the pattern's parameters: no element is evaluated here.
-      const std::int64_t offset = detail::query_offset(o, seq.nq, seq.nk);
+      const std::int64_t offset = o.keys.offset(seq.nq, seq.nk);
       const detail::Coverage c =
           detail::coverage(o.sparse, {h, u.i0, u.positions, u.i0 + offset, j0, cols});
       if (c == detail::Coverage::none) admitted = 0;
@@ -156,13 +156,13 @@ FlashConfig flash_config() {
   return config;
 }
 
-FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
+FlashPlan make_plan(const detail::AttentionProblem& problem, const KernelParams& params,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
                     ConstTensorView v, TensorView out, TensorView lse, TensorView probs,
                     const FlashConfig& config) {
   FlashPlan plan;
   plan.problem = &problem;
-  plan.options = &options;
+  plan.params = params;
   plan.mods = &mods;
   plan.q = q;
   plan.k = k;
@@ -174,13 +174,13 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
   const std::int64_t group = std::max<std::int64_t>(problem.group(), 1);
   plan.positions_per_unit = std::max<std::int64_t>(1, plan.config.rows / group);
 
-  const bool classify_blocks = (options.mask.defined() && options.mask.dtype() == DType::boolean) ||
-                               mods.admitted != nullptr || options.sparse.defined();
+  const bool classify_blocks =
+      params.bool_mask.defined() || mods.admitted != nullptr || params.sparse.defined();
   std::int64_t blocks = 0;
   const std::int64_t threads = omp_get_max_threads();
   const std::int64_t heads = std::max<std::int64_t>(problem.sequences * problem.hkv, 1);
   for (std::int64_t s = 0; s < problem.sequences; ++s) {
-    const detail::SequenceExtent seq = problem.sequence(s, options);
+    const detail::SequenceExtent seq = problem.sequence(s);
     const std::int64_t seq_blocks = (seq.nk_rows + plan.config.keys - 1) / plan.config.keys;
     plan.max_key_rows = std::max(plan.max_key_rows, seq.nk_rows);
     plan.max_positions = std::max(plan.max_positions, std::min(plan.positions_per_unit, seq.nq));
@@ -197,12 +197,12 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
       // well inside the per-thread budget. Results do not depend on the split.
       const auto head_units = static_cast<std::int64_t>(plan.units.size()) - head_begin;
       std::int64_t chunks = (4 * threads + heads - 1) / heads;
-      if (options.window_left >= 0) {
+      if (params.keys.window_left >= 0) {
         // Sides capped at 2^57 keep 16 * window inside int64 (a side may be
         // up to 2^63 - 1); a window that wide spans every unit anyway.
         constexpr std::int64_t kSide = std::int64_t{1} << 57;
-        const std::int64_t window = std::min(options.window_left, kSide) + 1 +
-                                    std::clamp<std::int64_t>(options.window_right, 0, kSide);
+        const std::int64_t window = std::min(params.keys.window_left, kSide) + 1 +
+                                    std::clamp<std::int64_t>(params.keys.window_right, 0, kSide);
         const std::int64_t task_units =
             std::max<std::int64_t>(1, 16 * window / plan.positions_per_unit);
         chunks = std::max(chunks, (head_units + task_units - 1) / task_units);
@@ -220,23 +220,23 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
 #pragma omp parallel for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
       const Unit& u = plan.units[static_cast<std::size_t>(i)];
-      const detail::SequenceExtent seq = problem.sequence(u.s, options);
+      const detail::SequenceExtent seq = problem.sequence(u.s);
       for (std::int64_t j0 = 0, jb = 0; j0 < seq.nk_rows; j0 += plan.config.keys, ++jb) {
         plan.block_class[static_cast<std::size_t>(u.first_block + jb)] = classify(
-            problem, options, mods, seq, u, j0, std::min(plan.config.keys, seq.nk_rows - j0));
+            problem, params, mods, seq, u, j0, std::min(plan.config.keys, seq.nk_rows - j0));
       }
     }
   }
 
-  if (options.relative_bias.table.defined()) {
-    const ConstTensorView table = options.relative_bias.table;
+  if (params.relative_bias.table.defined()) {
+    const ConstTensorView table = params.relative_bias.table;
     plan.relative_radius = problem.nq + problem.nk;
     const std::int64_t width = 2 * plan.relative_radius + 1;
     plan.relative_bias.resize(static_cast<std::size_t>(problem.hq * width));
     for (std::int64_t delta = -plan.relative_radius; delta <= plan.relative_radius; ++delta) {
       const std::int64_t bucket =
-          t5_relative_bucket(delta, table.size(1), options.relative_bias.max_distance,
-                             options.relative_bias.bidirectional);
+          t5_relative_bucket(delta, table.size(1), params.relative_bias.max_distance,
+                             params.relative_bias.bidirectional);
       for (std::int64_t h = 0; h < problem.hq; ++h) {
         plan.relative_bias[static_cast<std::size_t>(h * width + delta + plan.relative_radius)] =
             static_cast<float>(table.get({h, bucket}));
@@ -244,12 +244,12 @@ FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOpti
     }
   }
 
-  if (options.score == Score::additive) {
+  if (params.score == Score::additive) {
     const auto a_size = static_cast<std::size_t>(problem.attention_size);
-    plan.additive_w_q = to_floats(options.additive.w_q);
-    plan.additive_w_k = to_floats(options.additive.w_k);
-    plan.additive_bias = to_floats(options.additive.bias);
-    plan.additive_v = to_floats(options.additive.v, (a_size + 15) / 16 * 16);
+    plan.additive_w_q = to_floats(params.additive.w_q);
+    plan.additive_w_k = to_floats(params.additive.w_k);
+    plan.additive_bias = to_floats(params.additive.bias);
+    plan.additive_v = to_floats(params.additive.v, (a_size + 15) / 16 * 16);
   }
   return plan;
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/problem.hpp"
+#include "cpu/params.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/flex.hpp"
 
@@ -45,7 +46,7 @@ struct Task {
 
 struct FlashPlan {
   const detail::AttentionProblem* problem = nullptr;
-  const AttentionOptions* options = nullptr;
+  KernelParams params;                     // the call's options, lowered
   const detail::TileMods* mods = nullptr;  // never null; members may be
   ConstTensorView q, k, v;
   TensorView out;    // may be undefined in the probabilities pass
@@ -78,7 +79,7 @@ struct FlashPlan {
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
 // once, sparse patterns from their parameters), the relative bias table;
 // tile sizes from `config`.
-FlashPlan make_plan(const detail::AttentionProblem& problem, const AttentionOptions& options,
+FlashPlan make_plan(const detail::AttentionProblem& problem, const KernelParams& params,
                     const detail::TileMods& mods, ConstTensorView q, ConstTensorView k,
                     ConstTensorView v, TensorView out, TensorView lse, TensorView probs,
                     const FlashConfig& config = flash_config());

@@ -140,7 +140,7 @@ inline void PrepareTile(const BackwardPlan& bp, const Unit& u, const UnitGeometr
   const detail::AttentionProblem& p = *plan.problem;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(p.scale), dst.q_t, dst.q_cols,
+  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(plan.params.scale), dst.q_t, dst.q_cols,
            b.pack_row.get());
   PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, dst.do_t, dst.do_cols, b.pack_row.get());
   float* lse = dst.lse;
@@ -179,9 +179,9 @@ inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry
                         std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
                         const float* HWY_RESTRICT p_t, float* HWY_RESTRICT dp,
                         float* HWY_RESTRICT pd) {
-  const AttentionOptions& o = *plan.options;
-  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.dropout_p));
-  const std::uint32_t threshold = detail::dropout_threshold(o.dropout_p);
+  const DropoutParams& o = plan.params.dropout;
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.p));
+  const std::uint32_t threshold = detail::dropout_threshold(o.p);
   std::fill_n(pd, cols * rows_pad, 0.0f);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t bh =
@@ -191,7 +191,7 @@ inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry
       for (std::int64_t c = 0; c < cols;) {
         const std::int64_t j = j0 + c + o.shard.key;
         const detail::PhiloxCounter words =
-            detail::dropout_words(o.dropout_seed, o.dropout_offset, bh, u.i0 + t + o.shard.row, j);
+            detail::dropout_words(o.seed, o.offset, bh, u.i0 + t + o.shard.row, j);
         for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
           const bool keep = (words[static_cast<std::size_t>(w)] >> 8) >= threshold;
           const std::int64_t x = c * rows_pad + r;
@@ -211,7 +211,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
                          std::int64_t off, bool range_partial, bool mask_partial, Scratch& sc,
                          BackwardScratch& b, double* bias_partial) {
   const FlashPlan& plan = *bp.plan;
-  const AttentionOptions& o = *plan.options;
+  const KernelParams& o = plan.params;
   const detail::AttentionProblem& p = *plan.problem;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
@@ -238,7 +238,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   // P = exp(S - lse): 0 for masked keys and for rows without any key.
   ProbabilitiesFromLse(tile.lse, rows_used, cols, s, rows_pad);
   const float* dsum = tile.d;
-  const bool dropout = o.dropout_p > 0.0;
+  const bool dropout = o.dropout.p > 0.0;
   if (dropout) DropoutTile(plan, u, g, j0, cols, rows_pad, s, dp, b.pd.get());
   // dS = P (dP - D), exactly 0 where P is (whatever dP holds there).
   for (std::int64_t r = 0; r < rows_used; r += lanes) {
@@ -344,7 +344,7 @@ inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
       BackwardTile(bp, task, u, g, shape, dk_pad, tile, j0, cols, j0 - kj0, range_partial,
                    mask_class == BlockClass::partial, sc, b, bias_partial);
     }
-    const auto scale = static_cast<float>(p.scale);
+    const auto scale = static_cast<float>(plan.params.scale);
     for (std::int64_t j = 0; j < kcols; ++j) {
       float* dk_row = b.dk.get() + j * dk_pad;
       for (std::int64_t c = 0; c < p.dk; ++c) dk_row[c] *= scale;
@@ -392,7 +392,7 @@ inline void BackwardTasks(BackwardPlan& bp) {
            plan.units[static_cast<std::size_t>(end)].hkv == first.hkv) {
       ++end;
     }
-    const detail::SequenceExtent seq = plan.problem->sequence(first.s, *plan.options);
+    const detail::SequenceExtent seq = plan.problem->sequence(first.s);
     const std::int64_t blocks = (seq.nk_rows + bk - 1) / bk;
     const std::vector<double> work = BlockWork(plan, begin, end, blocks);
     double total = 0.0;
@@ -449,7 +449,7 @@ inline bool FlashBackwardReduceDq(const BackwardPlan& bp) {
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t rows = p.batch * p.nq * p.hq;
   const std::int64_t chunk_stride = rows * bp.dq_ld;
-  const auto scale = hn::Set(d, static_cast<float>(p.scale));
+  const auto scale = hn::Set(d, static_cast<float>(bp.plan->params.scale));
   std::atomic<bool> finite{true};
 #pragma omp parallel
   {

@@ -53,7 +53,7 @@ bool flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   // Tasks come from query rows: the keys of a sequence without any get no
   // task, but their (overwritten) gradients are zero all the same.
   for (std::int64_t s = 0; s < p.sequences; ++s) {
-    const detail::SequenceExtent seq = p.sequence(s, *plan.options);
+    const detail::SequenceExtent seq = p.sequence(s);
     if (seq.nq > 0) continue;
     for (const TensorView& t : {args.grads.dk, args.grads.dv}) {
       detail::fill(t.slice(0, seq.batch, 1).slice(1, seq.k_begin, seq.nk_rows), 0.0);
@@ -77,7 +77,7 @@ bool flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   if (plan.relative_bias.empty()) return finite;
   // Distances to buckets, summing the tasks in order.
   const TensorView table = args.grads.d_relative_bias;
-  const ConstTensorView bias = plan.options->relative_bias.table;
+  const ConstTensorView bias = plan.params.relative_bias.table;
   std::vector<double> by_delta(static_cast<std::size_t>(p.hq * width), 0.0);
   for (std::size_t t = 0; t < bp.tasks.size(); ++t) {
     const Unit& u = plan.units[static_cast<std::size_t>(bp.tasks[t].unit_begin)];
@@ -93,8 +93,8 @@ bool flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
   std::vector<double> by_bucket(static_cast<std::size_t>(p.hq * bias.size(1)), 0.0);
   for (std::int64_t x = 0; x < width; ++x) {
     const std::int64_t bucket = t5_relative_bucket(x - plan.relative_radius, bias.size(1),
-                                                   plan.options->relative_bias.max_distance,
-                                                   plan.options->relative_bias.bidirectional);
+                                                   plan.params.relative_bias.max_distance,
+                                                   plan.params.relative_bias.bidirectional);
     for (std::int64_t h = 0; h < p.hq; ++h) {
       by_bucket[static_cast<std::size_t>(h * bias.size(1) + bucket)] +=
           by_delta[static_cast<std::size_t>(h * width + x)];

@@ -127,7 +127,7 @@ inline void AddFloatMask(const HeadTile& t, ConstTensorView m, const detail::Seq
 // open to query i iff lo_i <= j0 + c < hi_i: each lane's bounds, relative to
 // j0 and clamped to [0, cols], are small integers, exact in float however
 // long the sequence.
-inline void MaskOutsideRanges(const HeadTile& t, const AttentionOptions& o, std::int64_t nk) {
+inline void MaskOutsideRanges(const HeadTile& t, const detail::KeyRule& keys, std::int64_t nk) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const hn::RebindToSigned<decltype(d)> di;
@@ -136,8 +136,7 @@ inline void MaskOutsideRanges(const HeadTile& t, const AttentionOptions& o, std:
   HWY_ALIGN float hi_rel[hn::MaxLanes(d)];
   for (std::int64_t x0 = 0; x0 < t.positions; x0 += lanes) {
     for (std::int64_t x = 0; x < lanes; ++x) {
-      const detail::KeyRange kr =
-          detail::key_range(o, t.pos0 + std::min(x0 + x, t.positions - 1), nk);
+      const detail::KeyRange kr = keys.range(t.pos0 + std::min(x0 + x, t.positions - 1), nk);
       lo_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.lo - t.j0, 0, t.cols));
       hi_rel[x] = static_cast<float>(std::clamp<std::int64_t>(kr.hi - t.j0, 0, t.cols));
     }
@@ -194,31 +193,25 @@ inline void MaskPattern(const HeadTile& t, const SparsePattern& pattern, std::in
 inline void ModifyAndMask(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                           std::int64_t j0, std::int64_t cols, bool range_partial, bool mask_partial,
                           float* HWY_RESTRICT s, std::int64_t rows_pad) {
-  const AttentionOptions& o = *plan.options;
+  const KernelParams& o = plan.params;
   const detail::AttentionProblem& p = *plan.problem;
   if (o.softcap > 0.0) Softcap(o.softcap, cols, s, rows_pad);
-  const bool float_mask = o.mask.defined() && o.mask.dtype() != DType::boolean;
-  const bool bool_mask = o.mask.defined() && o.mask.dtype() == DType::boolean;
-  const bool per_batch_slopes =
-      !o.alibi_slopes.empty() && static_cast<std::int64_t>(o.alibi_slopes.size()) != p.hq;
   const std::int64_t width = 2 * plan.relative_radius + 1;
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t h = u.hkv * g.group + gi;
     const std::int64_t r0 = gi * g.positions;  // this head's first column
     const HeadTile t{s + r0, rows_pad, h, u.i0 + g.offset, g.positions, j0, cols};
-    if (!o.alibi_slopes.empty()) {
-      AddAlibi(t, o.alibi_slopes[static_cast<std::size_t>(per_batch_slopes ? u.s * p.hq + h : h)]);
-    }
+    if (!o.alibi_slopes.empty()) AddAlibi(t, o.slope(u.s, h, p.hq));
     if (!plan.relative_bias.empty()) {
       AddRelativeBias(t, plan.relative_bias.data() + h * width + plan.relative_radius);
     }
-    if (float_mask) AddFloatMask(t, o.mask, g.seq, u.i0);
+    if (o.float_mask.defined()) AddFloatMask(t, o.float_mask, g.seq, u.i0);
     if (plan.mods->score_mod != nullptr) {
       plan.mods->score_mod(plan.mods->context,
                            {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});
     }
-    if (range_partial) MaskOutsideRanges(t, o, g.seq.nk);
-    if (bool_mask && mask_partial) MaskBool(t, o.mask, g.seq, u.i0);
+    if (range_partial) MaskOutsideRanges(t, o.keys, g.seq.nk);
+    if (o.bool_mask.defined() && mask_partial) MaskBool(t, o.bool_mask, g.seq, u.i0);
     if (plan.mods->mask_mod != nullptr && mask_partial) {
       plan.mods->mask_mod(plan.mods->context,
                           {s + r0, 1, rows_pad, u.s, h, u.i0, g.positions, j0, cols});

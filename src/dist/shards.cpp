@@ -13,6 +13,7 @@
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
+#include "core/key_range.hpp"
 #include "reference/backward.hpp"
 
 namespace qkv::dist::detail {
@@ -241,24 +242,12 @@ std::vector<BatchGroup> batch_groups(const Setup& s, const AttentionOptions& o) 
   return groups;
 }
 
-// A test on whole chunks, not rows: the rows' ranges are those of
-// detail::key_range (core/key_range.hpp), which the pieces' calls apply;
-// here the first position whose range reaches k_first is found from causal
-// and window_right instead of evaluating a range per query row.
+// Whether a query chunk admits any key of a key chunk: the rows' key rule
+// (core/key_range.hpp, which the pieces' calls apply) tested on whole chunks.
 bool may_attend(const AttentionOptions& o, const BatchGroup& g, const Chunk& qc, const Chunk& kc) {
-  const std::int64_t k_first = kc.global;
-  const std::int64_t k_end = std::min(kc.global + kc.length, g.valid_keys);
-  if (k_end <= k_first || qc.length == 0) return false;
-  // Key ranges only grow with the position, so the first position that
-  // reaches k_first is the one most likely to start before k_end.
-  std::int64_t p = qc.global + g.delta;
-  const std::int64_t last = p + qc.length - 1;
-  if (o.causal) p = std::max(p, k_first);
-  // Windows may be as large as int64 allows: compare distances, which are
-  // bounded by the sequence lengths, instead of shifting by the window.
-  if (o.window_right >= 0 && k_first - p > o.window_right) p = k_first - o.window_right;
-  if (p > last) return false;
-  return !(o.window_left >= 0 && p - k_end >= o.window_left);
+  const std::int64_t first = qc.global + g.delta;
+  return qkv::detail::key_rule(o).reaches(first, first + qc.length - 1, kc.global,
+                                          std::min(kc.global + kc.length, g.valid_keys));
 }
 
 bool needs(const Setup& s, const AttentionOptions& o, const std::vector<BatchGroup>& groups, int a,

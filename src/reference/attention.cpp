@@ -36,7 +36,7 @@ void attention_in(const AttentionProblem& p, ConstTensorView q, ConstTensorView 
   std::vector<Real> dropped;        // P_ij Z_ij / (1 - p) of one row
   std::vector<Real> scores;
   for (std::int64_t s = 0; s < p.sequences; ++s) {
-    const SequenceExtent seq = p.sequence(s, o);
+    const SequenceExtent seq = p.sequence(s);
     for (std::int64_t hk = 0; hk < p.hkv; ++hk) {
       const auto keys = gather_rows<Real>(k, seq.batch, seq.k_begin, seq.nk_rows, hk);
       const auto values = gather_rows<Real>(v, seq.batch, seq.k_begin, seq.nk_rows, hk);

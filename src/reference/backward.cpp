@@ -145,7 +145,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   std::vector<Real> raw_scores;     // R_ij of one row
   std::vector<Real> scores;         // s_ij of one row; -inf where key j is dropped
   for (std::int64_t s = 0; s < p.sequences; ++s) {
-    const detail::SequenceExtent seq = p.sequence(s, o);
+    const detail::SequenceExtent seq = p.sequence(s);
     const std::int64_t nk = seq.nk_rows;
     for (std::int64_t hk = 0; hk < p.hkv; ++hk) {
       const auto keys = gather_rows<Real>(k, seq.batch, seq.k_begin, nk, hk);    // [nk][Dk]
@@ -276,7 +276,7 @@ void sink_gradients(const detail::AttentionProblem& p, ConstTensorView out, Cons
   for (std::int64_t h = 0; h < p.hq; ++h) {
     double g = 0;
     for (std::int64_t s = 0; s < p.sequences; ++s) {
-      const detail::SequenceExtent seq = p.sequence(s, o);
+      const detail::SequenceExtent seq = p.sequence(s);
       g += detail::sink_gradient<double>(
           o.sinks[static_cast<std::size_t>(h)], seq.nq, [&](std::int64_t i) {
             const std::int64_t row = seq.q_begin + i;

@@ -115,7 +115,7 @@ struct HeadContext {
 // Position of query row i on the key axis (the diagonal for causal/window).
 template <class Real>
 std::int64_t query_position(const HeadContext<Real>& c, std::int64_t i) {
-  return i + detail::query_offset(c.o, c.seq.nq, c.seq.nk);
+  return i + detail::key_rule(c.o).offset(c.seq.nq, c.seq.nk);
 }
 
 // Whether row i attends to key j: every mask of the options admits it.
@@ -123,7 +123,7 @@ template <class Real>
 bool key_admitted(const HeadContext<Real>& c, std::int64_t i, std::int64_t j) {
   const AttentionOptions& o = c.o;
   const std::int64_t pos = query_position(c, i);
-  const detail::KeyRange range = detail::key_range(o, pos, c.seq.nk);
+  const detail::KeyRange range = detail::key_rule(o).range(pos, c.seq.nk);
   if (j < range.lo || j >= range.hi) return false;
   if (o.mask.defined() && o.mask.dtype() == DType::boolean &&
       mask_at(o.mask, c.seq.batch, c.h, c.seq.q_begin + i, c.seq.k_begin + j) == 0.0) {
