@@ -218,31 +218,42 @@ inline UnitGeometry GeometryOf(const FlashPlan& plan, const Unit& u) {
   return g;
 }
 
-// Dropout of the weights P^T of keys [j0, j0 + cols) for the unit's rows:
-// each is kept and scaled by 1 / (1 - p), or zeroed, by the counter-based
-// generator of qkv::dropout_keep (one Philox call per 4 keys of a row).
-inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
-                         std::int64_t j0, std::int64_t cols, float* HWY_RESTRICT s,
-                         std::int64_t rows_pad) {
+// The dropout decisions of keys [j0, j0 + cols) for the unit's rows, from the
+// counter-based generator of qkv::dropout_keep (one Philox call per 4 keys
+// of a row): f(x, keep) for each element x = c * rows_pad + r of a tile
+// S^T [keys][rows_pad]. The forward and the backward draw the same ones.
+template <class F>
+inline void ForEachDropoutDecision(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                                   std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
+                                   const F& f) {
   const DropoutParams& o = plan.params.dropout;
-  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.p));
   const std::uint32_t threshold = detail::dropout_threshold(o.p);
   for (std::int64_t gi = 0; gi < g.group; ++gi) {
     const std::int64_t bh =
         detail::dropout_stream(o.shard, plan.problem->hq, u.s, u.hkv * g.group + gi);
     for (std::int64_t t = 0; t < g.positions; ++t) {
-      float* col = s + gi * g.positions + t;
+      const std::int64_t r = gi * g.positions + t;
       for (std::int64_t c = 0; c < cols;) {
         const std::int64_t j = j0 + c + o.shard.key;
         const detail::PhiloxCounter words =
             detail::dropout_words(o.seed, o.offset, bh, u.i0 + t + o.shard.row, j);
         for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
-          float& x = col[c * rows_pad];
-          x = (words[static_cast<std::size_t>(w)] >> 8) >= threshold ? x * keep_scale : 0.0f;
+          f(c * rows_pad + r, (words[static_cast<std::size_t>(w)] >> 8) >= threshold);
         }
       }
     }
   }
+}
+
+// Dropout of the weights P^T of keys [j0, j0 + cols) for the unit's rows:
+// each is kept and scaled by 1 / (1 - p), or zeroed.
+inline void ApplyDropout(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                         std::int64_t j0, std::int64_t cols, float* HWY_RESTRICT s,
+                         std::int64_t rows_pad) {
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - plan.params.dropout.p));
+  ForEachDropoutDecision(plan, u, g, j0, cols, rows_pad, [&](std::int64_t x, bool keep) {
+    s[x] = keep ? s[x] * keep_scale : 0.0f;
+  });
 }
 
 // K rows [j0, j0 + cols) of the unit's KV head as f32 [cols][Dk]: from the

@@ -179,28 +179,12 @@ inline void DropoutTile(const FlashPlan& plan, const Unit& u, const UnitGeometry
                         std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
                         const float* HWY_RESTRICT p_t, float* HWY_RESTRICT dp,
                         float* HWY_RESTRICT pd) {
-  const DropoutParams& o = plan.params.dropout;
-  const auto keep_scale = static_cast<float>(1.0 / (1.0 - o.p));
-  const std::uint32_t threshold = detail::dropout_threshold(o.p);
+  const auto keep_scale = static_cast<float>(1.0 / (1.0 - plan.params.dropout.p));
   std::fill_n(pd, cols * rows_pad, 0.0f);
-  for (std::int64_t gi = 0; gi < g.group; ++gi) {
-    const std::int64_t bh =
-        detail::dropout_stream(o.shard, plan.problem->hq, u.s, u.hkv * g.group + gi);
-    for (std::int64_t t = 0; t < g.positions; ++t) {
-      const std::int64_t r = gi * g.positions + t;
-      for (std::int64_t c = 0; c < cols;) {
-        const std::int64_t j = j0 + c + o.shard.key;
-        const detail::PhiloxCounter words =
-            detail::dropout_words(o.seed, o.offset, bh, u.i0 + t + o.shard.row, j);
-        for (std::int64_t w = j % 4; w < 4 && c < cols; ++w, ++c) {
-          const bool keep = (words[static_cast<std::size_t>(w)] >> 8) >= threshold;
-          const std::int64_t x = c * rows_pad + r;
-          dp[x] = keep ? dp[x] * keep_scale : 0.0f;
-          pd[x] = keep ? p_t[x] * keep_scale : 0.0f;
-        }
-      }
-    }
-  }
+  ForEachDropoutDecision(plan, u, g, j0, cols, rows_pad, [&](std::int64_t x, bool keep) {
+    dp[x] = keep ? dp[x] * keep_scale : 0.0f;
+    pd[x] = keep ? p_t[x] * keep_scale : 0.0f;
+  });
 }
 
 // One (key block, query tile) step: adds to the block's dK, dV and to the
