@@ -140,7 +140,7 @@ const std::vector<BadRow<ConfigCall>>& bad_configs() {
        {"config: storage of 2 pages of 4611686018427387903 tokens", "exceeds 2^63 bytes"}},
       {"storage_does_not_fit_in_memory",
        [](ConfigCall& c) { c.config.num_pages = std::int64_t{1} << 44; },
-       {"cannot allocate", "[17592186044416, 4, 2, 4]"}},
+       {"cannot allocate", "keys [17592186044416, 4, 2, 4]"}},
       {"every_field",
        [](ConfigCall& c) {
          c.config = {.batch = 0,

@@ -3,7 +3,9 @@
 // One cache per layer holds, for each of B sequences, the keys and values of
 // its tokens so far: per token and KV head, Dk key and Dv value elements,
 // stored in f32, bf16 or f16 (16-bit storage halves the bytes decoding
-// reads; the kernels widen to f32 exactly). Sequences grow independently.
+// reads; the kernels widen to f32 exactly), or quantized in ggml's block
+// formats q8_0 and q4_0 (8.5 and 4.5 bits per value; see KvStorage), keys
+// and values each in their own. Sequences grow independently.
 //
 // Two layouts:
 //   contiguous (page_size == 0): each sequence owns `capacity` token slots,
@@ -16,6 +18,7 @@
 // t % page_size (contiguous: one page of `capacity` tokens per sequence).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -25,6 +28,32 @@
 
 namespace qkv {
 
+// How a KvCache stores its keys or its values. The quantized formats are
+// ggml's, bit for bit (llama.cpp's --cache-type-k/-v): a head's row of D
+// values (D a multiple of 32) is D / 32 blocks of 32 consecutive values, each
+// an f16 scale d followed by the quantized values. Append rounds the inputs
+// to f32, then quantizes each block as ggml's reference does:
+//   q8_0 (34 bytes per block): d = max|x| / 127, q = round(x / d) (half away
+//        from zero) in int8; x' = d * q. Error per value <= d / 2 (d before
+//        its rounding to f16, which adds up to 2^-11 relative).
+//   q4_0 (18 bytes per block): m = the x of largest magnitude, d = m / -8,
+//        q = min(15, floor(x / d + 8.5)) in 4 bits (byte j holds values j
+//        and j + 16, low nibble first); x' = d * (q - 8). Error per value
+//        <= |d| / 2, except |d| for the values clipped at q = 15 (the
+//        largest magnitude's opposite sign: x / d up to 8).
+// Quantized storage holds finite values only: an append with an inf or NaN
+// bound for it throws (changing nothing).
+enum class KvStorage : std::uint8_t {
+  automatic,  // KvCacheConfig::dtype
+  f32,
+  bf16,
+  f16,
+  q8_0,
+  q4_0,
+};
+// "auto", "f32", "bf16", "f16", "q8_0", "q4_0".
+const char* storage_name(KvStorage storage);
+
 // Shape and storage of a KvCache.
 struct KvCacheConfig {
   std::int64_t batch = 1;      // B: sequences
@@ -32,9 +61,12 @@ struct KvCacheConfig {
   std::int64_t head_dim = 0;   // Dk (>= 1)
   std::int64_t value_dim = 0;  // Dv; 0 = head_dim
   std::int64_t capacity = 0;   // most tokens a sequence may hold (>= 1)
-  DType dtype = DType::f32;    // storage: f32, bf16 or f16
+  DType dtype =
+      DType::f32;  // storage: f32, bf16 or f16 (of keys and values whose *_storage is automatic)
   std::int64_t page_size = 0;  // 0 = contiguous; else tokens per page (paged)
   std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * ceil(capacity / page_size)
+  KvStorage key_storage = KvStorage::automatic;    // keys' storage; quantized: Dk % 32 == 0
+  KvStorage value_storage = KvStorage::automatic;  // values'; quantized: Dv % 32 == 0
 };
 
 class KvCache {
@@ -45,6 +77,9 @@ class KvCache {
   const KvCacheConfig& config() const { return config_; }
   bool paged() const { return config_.page_size > 0; }
   std::int64_t value_dim() const;
+  // The storage of keys and of values (never automatic).
+  KvStorage key_storage() const;
+  KvStorage value_storage() const;
   // Tokens per page (contiguous: capacity).
   std::int64_t page_size() const;
   // Tokens stored in sequence b, and all B lengths.
@@ -71,7 +106,8 @@ class KvCache {
 
   // Kernel access. Page `index` of sequence b's block table (index <
   // ceil(length(b) / page_size)): keys [page_size, Hkv, Dk] and values
-  // [page_size, Hkv, Dv], contiguous, in the storage dtype.
+  // [page_size, Hkv, Dv], contiguous, in their storage (quantized: a head's
+  // row is D / 32 blocks).
   const void* key_page(std::int64_t b, std::int64_t index) const;
   const void* value_page(std::int64_t b, std::int64_t index) const;
   // Sequence b's block table: pool page of each of its pages (contiguous: {b}).
@@ -82,8 +118,10 @@ class KvCache {
   std::vector<std::int64_t> lengths_;              // [B]
   std::vector<std::vector<std::int64_t>> tables_;  // [B][pages of b]
   std::vector<std::int64_t> free_;                 // pool pages not in use
-  Tensor keys_;                                    // [pages, page_size, Hkv, Dk]
-  Tensor values_;                                  // [pages, page_size, Hkv, Dv]
+  std::int64_t key_row_bytes_ = 0;                 // bytes of one token's keys [Hkv, Dk]
+  std::int64_t value_row_bytes_ = 0;               // and of its values [Hkv, Dv]
+  std::vector<std::byte> keys_;                    // [pages, page_size, Hkv, Dk] stored
+  std::vector<std::byte> values_;                  // [pages, page_size, Hkv, Dv] stored
 };
 
 }  // namespace qkv

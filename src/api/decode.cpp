@@ -4,11 +4,11 @@
 #include "qkv/decode.hpp"
 
 #include <cstddef>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "api/validate.hpp"
+#include "cache/formats.hpp"
 #include "cache/view.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
@@ -103,7 +103,8 @@ DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorVi
   return shape;
 }
 
-// The reference: the cache gathered into dense [B, Lmax, Hkv, D] tensors and
+// The reference: the cache gathered into dense f32 [B, Lmax, Hkv, D] tensors
+// (every storage widens to f32 exactly: cache/formats.hpp) and
 // qkv::attention with causal bottom-right alignment and the cache's lengths
 // as key lengths, which is exactly decode's definition.
 void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
@@ -111,20 +112,25 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   const KvCacheConfig& c = cache.config();
   std::int64_t longest = 0;
   for (std::int64_t b = 0; b < c.batch; ++b) longest = std::max(longest, cache.length(b));
-  Tensor k(c.dtype, {c.batch, longest, c.kv_heads, c.head_dim});
-  Tensor v(c.dtype, {c.batch, longest, c.kv_heads, cache.value_dim()});
+  const std::int64_t hkv = c.kv_heads, dk = c.head_dim, dv = cache.value_dim();
+  Tensor k(DType::f32, {c.batch, longest, hkv, dk});
+  Tensor v(DType::f32, {c.batch, longest, hkv, dv});
   const std::int64_t ps = cache.page_size();
-  const std::size_t elem = c.dtype == DType::f32 ? 4 : 2;
-  const std::size_t k_row = static_cast<std::size_t>(c.kv_heads * c.head_dim) * elem;
-  const std::size_t v_row = static_cast<std::size_t>(c.kv_heads * cache.value_dim()) * elem;
+  // Bytes of one head's stored row, and of a token's (all heads).
+  const std::int64_t k_head = cache::row_bytes(cache.key_storage(), dk);
+  const std::int64_t v_head = cache::row_bytes(cache.value_storage(), dv);
+  auto* kd = static_cast<float*>(k.view().data());
+  auto* vd = static_cast<float*>(v.view().data());
   for (std::int64_t b = 0; b < c.batch; ++b) {
     for (std::int64_t j = 0; j < cache.length(b); ++j) {
-      const auto* kp = static_cast<const std::uint8_t*>(cache.key_page(b, j / ps));
-      const auto* vp = static_cast<const std::uint8_t*>(cache.value_page(b, j / ps));
-      std::memcpy(static_cast<std::uint8_t*>(k.view().data()) + (b * longest + j) * k_row,
-                  kp + (j % ps) * k_row, k_row);
-      std::memcpy(static_cast<std::uint8_t*>(v.view().data()) + (b * longest + j) * v_row,
-                  vp + (j % ps) * v_row, v_row);
+      const auto* kp = static_cast<const std::byte*>(cache.key_page(b, j / ps));
+      const auto* vp = static_cast<const std::byte*>(cache.value_page(b, j / ps));
+      for (std::int64_t h = 0; h < hkv; ++h) {
+        cache::dequantize_row(cache.key_storage(), kp + ((j % ps) * hkv + h) * k_head, dk,
+                              kd + ((b * longest + j) * hkv + h) * dk);
+        cache::dequantize_row(cache.value_storage(), vp + ((j % ps) * hkv + h) * v_head, dv,
+                              vd + ((b * longest + j) * hkv + h) * dv);
+      }
     }
   }
   AttentionOptions opt = o;
@@ -152,7 +158,8 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
 cache::KvView view_of(const KvCache& kv) {
   const KvCacheConfig& c = kv.config();
   cache::KvView view;
-  view.dtype = c.dtype;
+  view.key_storage = kv.key_storage();
+  view.value_storage = kv.value_storage();
   view.batch = c.batch;
   view.kv_heads = c.kv_heads;
   view.head_dim = c.head_dim;

@@ -3,13 +3,15 @@
 // its input, the room needed in the cache included, before it writes
 // anything, so a call that throws leaves the cache as it was. Stored rows are
 // written as the storage traits say (cache/storage-inl.h, included here for
-// the static Highway target: the writes are scalar).
+// the static Highway target: the writes are scalar), keys and values each in
+// their own storage.
 #include "qkv/kv_cache.hpp"
 
 #include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -19,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/formats.hpp"
 #include "core/checks.hpp"
 #include "core/elements.hpp"
 #include "core/positional.hpp"
@@ -57,7 +60,10 @@ struct Pool {
   std::vector<std::int64_t>& lengths;
   std::vector<std::vector<std::int64_t>>& tables;
   std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
-  TensorView keys, values;
+  KvStorage key_storage, value_storage;
+  std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
+  std::byte* keys;
+  std::byte* values;
 };
 
 // The rows an append gives each sequence b: counts[b], or when counts is
@@ -100,31 +106,33 @@ void check_room(const char* op, const Pool& pool, const Counts& counts, Reasons&
   }
 }
 
-// The storage's row writer for inputs of `dtype`, chosen once per call.
-template <class Traits>
-CopyRow writer_for(DType dtype) {
-  return detail::visit_floating(
-      dtype, [](auto t) -> CopyRow { return &Traits::template Write<typename decltype(t)::type>; });
+// The writer of `storage` for rows of `dtype` (f64 rows: also the writer of
+// a key rotated in double), chosen once per call.
+CopyRow writer_for(KvStorage storage, DType dtype) {
+  return WithStorage(storage, [&](auto traits) {
+    using Traits = decltype(traits);
+    return detail::visit_floating(dtype, [](auto t) -> CopyRow {
+      return &Traits::template Write<typename decltype(t)::type>;
+    });
+  });
 }
 
 // Appends rows [0, counts[b]) of k [B, n, Hkv, Dk] and v [B, n, Hkv, Dv] to
 // each sequence b, taking pages as sequences cross page boundaries, rows
-// written as Traits says. Runs only after check_room passed; it cannot fail
-// (the tables have their capacity reserved), so a throwing call never gets
-// here.
-template <class Traits>
+// written in the storage of keys and of values. Runs only after check_room
+// passed; it cannot fail (the tables have their capacity reserved), so a
+// throwing call never gets here.
 void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
            const RopeConfig* rope) {
-  const DType storage = Traits::kDType;
-  const CopyRow copy_key = writer_for<Traits>(k.dtype());
-  const CopyRow copy_value = writer_for<Traits>(v.dtype());
+  const CopyRow copy_key = writer_for(pool.key_storage, k.dtype());
+  const CopyRow copy_value = writer_for(pool.value_storage, v.dtype());
   const LoadRow load_key = load_row_for(k.dtype());
-  const CopyRow store_key = &Traits::template Write<double>;
+  const CopyRow store_key = writer_for(pool.key_storage, DType::f64);
   std::optional<Rotation> rotation;
   if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
   std::vector<double> row(rope != nullptr ? static_cast<std::size_t>(pool.head_dim) : 0);
-  const std::int64_t key_token = pool.kv_heads * pool.head_dim;  // elements per stored token
-  const std::int64_t value_token = pool.kv_heads * pool.value_dim;
+  const std::int64_t key_head = pool.key_row_bytes / pool.kv_heads;  // bytes per head's row
+  const std::int64_t value_head = pool.value_row_bytes / pool.kv_heads;
 
   for (std::size_t b = 0; b < pool.lengths.size(); ++b) {
     std::vector<std::int64_t>& table = pool.tables[b];
@@ -138,35 +146,68 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
         pool.free_list.pop_back();
       }
       const std::int64_t slot = table[index] * pool.page_size + position % pool.page_size;
-      std::byte* key_dst = at(pool.keys.data(), storage, slot * key_token);
-      std::byte* value_dst = at(pool.values.data(), storage, slot * value_token);
+      std::byte* key_dst = pool.keys + slot * pool.key_row_bytes;
+      std::byte* value_dst = pool.values + slot * pool.value_row_bytes;
       const auto bi = static_cast<std::int64_t>(b);
       if (rotation) rotation->set_position(position);
       for (std::int64_t h = 0; h < pool.kv_heads; ++h) {
         const std::byte* key_src =
             at(k.data(), k.dtype(), bi * k.stride(0) + t * k.stride(1) + h * k.stride(2));
-        void* key_head = at(key_dst, storage, h * pool.head_dim);
         if (rotation) {
           load_key(key_src, k.stride(3), row.data(), pool.head_dim);
           rotation->rotate(row.data());
-          store_key(row.data(), 1, key_head, pool.head_dim);
+          store_key(row.data(), 1, key_dst + h * key_head, pool.head_dim);
         } else {
-          copy_key(key_src, k.stride(3), key_head, pool.head_dim);
+          copy_key(key_src, k.stride(3), key_dst + h * key_head, pool.head_dim);
         }
         const std::byte* value_src =
             at(v.data(), v.dtype(), bi * v.stride(0) + t * v.stride(1) + h * v.stride(2));
-        copy_value(value_src, v.stride(3), at(value_dst, storage, h * pool.value_dim),
-                   pool.value_dim);
+        copy_value(value_src, v.stride(3), value_dst + h * value_head, pool.value_dim);
       }
     }
     pool.lengths[b] += counts[b];
   }
 }
 
-void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
-           const RopeConfig* rope) {
-  WithStorage(pool.keys.dtype(),
-              [&](auto traits) { write<decltype(traits)>(pool, k, v, counts, rope); });
+std::string number(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", x);
+  return text;
+}
+
+// Largest magnitude a quantized storage holds: its f16 scale is at most
+// 65504, times 127 (q8_0) or 8 (q4_0).
+double storage_limit(KvStorage storage) {
+  return storage == KvStorage::q8_0 ? 65504.0 * 127 : 65504.0 * 8;
+}
+
+// The rows an append writes into a quantized storage are finite and within
+// its range (keys rotated by RoPE may grow by up to sqrt(2), so the limit of
+// their inputs is the storage's divided by sqrt(2)). `name` is [B, n, Hkv, D].
+void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, const Counts& counts,
+                       bool rotated, Reasons& r) {
+  if (!cache::is_quantized(storage)) return;
+  const double limit = storage_limit(storage) / (rotated ? std::sqrt(2.0) : 1.0);
+  const LoadRow load = load_row_for(t.dtype());
+  std::vector<double> row(static_cast<std::size_t>(t.size(3)));
+  for (std::int64_t b = 0; b < t.size(0); ++b) {
+    for (std::int64_t i = 0; i < counts[static_cast<std::size_t>(b)]; ++i) {
+      for (std::int64_t h = 0; h < t.size(2); ++h) {
+        load(at(t.data(), t.dtype(), b * t.stride(0) + i * t.stride(1) + h * t.stride(2)),
+             t.stride(3), row.data(), t.size(3));
+        for (std::int64_t x = 0; x < t.size(3); ++x) {
+          if (!(std::fabs(row[static_cast<std::size_t>(x)]) <= limit)) {
+            r.push_back(std::string(name) + ": " + storage_name(storage) +
+                        " storage holds finite values of magnitude <= " + number(limit) +
+                        (rotated ? " (before RoPE)" : "") + ", got " +
+                        number(row[static_cast<std::size_t>(x)]) + " at [" + to_string(b) + ", " +
+                        to_string(i) + ", " + to_string(h) + ", " + to_string(x) + "]");
+            return;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -191,7 +232,25 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     r.push_back("config.num_pages: only used by the paged layout (page_size > 0), got " +
                 to_string(c.num_pages) + " with page_size 0 (contiguous)");
   }
-  switch (c.dtype) {
+  const auto check_storage = [&](const char* field, KvStorage storage, std::int64_t dim,
+                                 const char* dim_name) {
+    if (storage > KvStorage::q4_0) {
+      r.push_back(std::string("config.") + field +
+                  ": expected automatic, f32, bf16, f16, q8_0 or q4_0, got value " +
+                  to_string(static_cast<int>(storage)));
+    } else if (cache::is_quantized(storage) && dim >= 1 && dim % cache::kQuantBlock != 0) {
+      r.push_back(std::string("config.") + field + ": " + storage_name(storage) +
+                  " stores blocks of " + to_string(cache::kQuantBlock) + " values: expected " +
+                  dim_name + " a multiple of " + to_string(cache::kQuantBlock) + ", got " +
+                  to_string(dim));
+    }
+  };
+  check_storage("key_storage", c.key_storage, c.head_dim, "head_dim");
+  check_storage("value_storage", c.value_storage, c.value_dim == 0 ? c.head_dim : c.value_dim,
+                c.value_dim == 0 ? "value_dim (0: head_dim)" : "value_dim");
+  const bool dtype_used =
+      c.key_storage == KvStorage::automatic || c.value_storage == KvStorage::automatic;
+  switch (dtype_used ? c.dtype : DType::f32) {
     case DType::f32:
     case DType::bf16:
     case DType::f16:
@@ -221,20 +280,33 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     r.push_back("config.num_pages: the default batch * ceil(capacity / page_size) = " +
                 to_string(c.batch) + " * " + to_string(per_sequence) + " overflows int64");
   }
-  const auto bytes = static_cast<std::int64_t>(dtype_size(c.dtype));
+  // At most 4 bytes per stored value.
   std::int64_t storage_bytes = 0;
-  if (r.empty() &&
-      !detail::checked_product({pages, tokens, c.kv_heads, std::max(c.head_dim, dv), bytes},
-                               storage_bytes)) {
+  if (r.empty() && !detail::checked_product(
+                       {pages, tokens, c.kv_heads, std::max(c.head_dim, dv), 4}, storage_bytes)) {
+    const KvStorage widest = c.head_dim >= dv ? key_storage() : value_storage();
     r.push_back("config: storage of " + to_string(pages) + " pages of " + to_string(tokens) +
                 " tokens x " + to_string(c.kv_heads) + " heads x " +
-                to_string(std::max(c.head_dim, dv)) + " elements of " + detail::str(c.dtype) +
+                to_string(std::max(c.head_dim, dv)) + " elements of " + storage_name(widest) +
                 " exceeds 2^63 bytes");
   }
   throw_if(r);
 
-  keys_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, c.head_dim});
-  values_ = Tensor(c.dtype, {pages, tokens, c.kv_heads, dv});
+  key_row_bytes_ = c.kv_heads * cache::row_bytes(key_storage(), c.head_dim);
+  value_row_bytes_ = c.kv_heads * cache::row_bytes(value_storage(), dv);
+  try {
+    keys_.assign(static_cast<std::size_t>(pages * tokens * key_row_bytes_), std::byte{0});
+    values_.assign(static_cast<std::size_t>(pages * tokens * value_row_bytes_), std::byte{0});
+  } catch (const std::exception& e) {
+    // std::bad_alloc (or std::length_error beyond what a vector can hold).
+    throw Error("config: cannot allocate the storage of keys [" + to_string(pages) + ", " +
+                to_string(tokens) + ", " + to_string(c.kv_heads) + ", " + to_string(c.head_dim) +
+                "] and values [" + to_string(pages) + ", " + to_string(tokens) + ", " +
+                to_string(c.kv_heads) + ", " + to_string(dv) + "] (" +
+                to_string(static_cast<std::uint64_t>(pages * tokens * key_row_bytes_) +
+                          static_cast<std::uint64_t>(pages * tokens * value_row_bytes_)) +
+                " bytes): " + e.what());
+  }
   try {
     lengths_.assign(static_cast<std::size_t>(c.batch), 0);
     tables_.resize(static_cast<std::size_t>(c.batch));
@@ -260,6 +332,16 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
 
 std::int64_t KvCache::value_dim() const {
   return config_.value_dim == 0 ? config_.head_dim : config_.value_dim;
+}
+
+KvStorage KvCache::key_storage() const {
+  return config_.key_storage == KvStorage::automatic ? cache::storage_of(config_.dtype)
+                                                     : config_.key_storage;
+}
+
+KvStorage KvCache::value_storage() const {
+  return config_.value_storage == KvStorage::automatic ? cache::storage_of(config_.dtype)
+                                                       : config_.value_storage;
 }
 
 std::int64_t KvCache::page_size() const { return paged() ? config_.page_size : config_.capacity; }
@@ -327,10 +409,15 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
       }
     }
   }
-  Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
-            tables_,          free_,       keys_, values_};
+  Pool pool{config_.capacity, page_size(),      hkv,          config_.head_dim, value_dim(),
+            lengths_,         tables_,          free_,        key_storage(),    value_storage(),
+            key_row_bytes_,   value_row_bytes_, keys_.data(), values_.data()};
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
+  if (r.empty()) {
+    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, r);
+    check_quantizable("v_new", v_new, pool.value_storage, rows, false, r);
+  }
   throw_if(r);
   write(pool, k_new, v_new, rows, rope);
 }
@@ -345,8 +432,9 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   const std::int64_t n = check_rows(*this, false, k_new, v_new, rope, r);
   // As a batch append in which only sequence b gets rows: the inputs repeat
   // over the batch (stride 0) and every other count is 0.
-  Pool pool{config_.capacity, page_size(), hkv,   config_.head_dim, value_dim(), lengths_,
-            tables_,          free_,       keys_, values_};
+  Pool pool{config_.capacity, page_size(),      hkv,          config_.head_dim, value_dim(),
+            lengths_,         tables_,          free_,        key_storage(),    value_storage(),
+            key_row_bytes_,   value_row_bytes_, keys_.data(), values_.data()};
   const Counts rows{.rows = n, .only = b};
   if (b_ok && n >= 0) check_room("append_to", pool, rows, r);
   throw_if(r);
@@ -354,6 +442,9 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
                            {0, k_new.stride(0), k_new.stride(1), k_new.stride(2)});
   const ConstTensorView v4(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
                            {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
+  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, r);
+  check_quantizable("v_new", v4, pool.value_storage, rows, false, r);
+  throw_if(r);
   write(pool, k4, v4, rows, rope);
 }
 
@@ -384,15 +475,13 @@ std::int64_t page_of(const char* op, std::span<const std::int64_t> table, std::i
 const void* KvCache::key_page(std::int64_t b, std::int64_t index) const {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("key_page", b, config_.batch));
   const std::int64_t page = page_of("key_page", tables_[b], b, index);
-  return at(keys_.view().data(), keys_.dtype(),
-            page * page_size() * config_.kv_heads * config_.head_dim);
+  return keys_.data() + page * page_size() * key_row_bytes_;
 }
 
 const void* KvCache::value_page(std::int64_t b, std::int64_t index) const {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("value_page", b, config_.batch));
   const std::int64_t page = page_of("value_page", tables_[b], b, index);
-  return at(values_.view().data(), values_.dtype(),
-            page * page_size() * config_.kv_heads * value_dim());
+  return values_.data() + page * page_size() * value_row_bytes_;
 }
 
 std::span<const std::int64_t> KvCache::block_table(std::int64_t b) const {

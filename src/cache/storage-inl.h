@@ -1,27 +1,33 @@
-// Storage traits of the KV cache, one specialization per stored element type
-// (f32, bf16, f16), in the manner of gemma.cpp's CompressTraits: each says
-// how a stored row is written from the appended keys and values (of any
-// floating dtype) and how the decode kernel (cpu/decode-inl.h) loads it into
-// f32 lanes, for the Q.K dot products and the P.V accumulation alike. The
-// kernel is one template over the traits; WithStorage maps a cache's dtype
-// to its traits.
+// Storage traits of the KV cache, one specialization per stored format
+// (f32, bf16, f16, and ggml's blocks q8_0 and q4_0; cache/formats.hpp), in
+// the manner of gemma.cpp's CompressTraits: each says how a stored row is
+// written from the appended keys and values (of any floating dtype) and how
+// the decode kernel (cpu/decode-inl.h) loads it into f32 lanes, for the Q.K
+// dot products and the P.V accumulation alike. The kernel is one template
+// over the traits of the keys and of the values; WithStorage maps a
+// KvStorage to its traits.
 //
 // The interface a specialization provides:
-//   Stored              element type of a stored row, as the kernel addresses
-//                       it (a row of n elements is n Stored apart)
-//   kDType              the KvCacheConfig::dtype it stores
+//   Stored              unit of a stored row as the kernel addresses it: an
+//                       element, or a block of kBlock elements
+//   kBlock              elements per Stored (rows of a head start at a
+//                       Stored: the cache's D is a multiple of kBlock)
+//   kStorage            the KvStorage it is
 //   kStreamAhead        the kernel's prefetching: true streams the next block's
 //                       token rows during this block's passes (LineStream);
 //                       false fetches keys two tokens ahead and values inside
 //                       the value tiles
 //   Write<S>(src, stride, dst, n)
 //                       n elements of type S (f32, f64, f16, bf16; src
-//                       `stride` elements apart) rounded once (RNE) into the
-//                       stored row dst; S = double with stride 1 writes a key
-//                       rotated in double by RoPE
+//                       `stride` elements apart, n a multiple of kBlock)
+//                       into the stored row dst: rounded once (RNE) to the
+//                       element type, or to f32 and then quantized; S =
+//                       double with stride 1 writes a key rotated in double
+//                       by RoPE
 //   Load(d, row, i)     elements [i, i + Lanes(d)) of a stored row as an f32
-//                       vector, exactly
+//                       vector, exactly; i is a multiple of Lanes(d)
 //   LoadOne(row, i)     element i of a stored row as f32, exactly
+// and Units<Traits>(n) is the number of Stored of n elements.
 //
 // Per Highway target (the -inl.h toggle); the cache's appends include it for
 // the static target only, since writes are scalar.
@@ -35,9 +41,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cache/formats.hpp"
 #include "core/rows.hpp"
 #include "hwy/highway.h"
 #include "qkv/dtype.hpp"
+#include "qkv/kv_cache.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cache {
@@ -51,7 +59,8 @@ struct StorageTraits;
 template <>
 struct StorageTraits<float> {
   using Stored = float;
-  static constexpr DType kDType = DType::f32;
+  static constexpr std::int64_t kBlock = 1;
+  static constexpr KvStorage kStorage = KvStorage::f32;
   static constexpr bool kStreamAhead = false;
 
   template <class S>
@@ -69,7 +78,8 @@ struct StorageTraits<float> {
 template <>
 struct StorageTraits<hwy::bfloat16_t> {
   using Stored = hwy::bfloat16_t;
-  static constexpr DType kDType = DType::bf16;
+  static constexpr std::int64_t kBlock = 1;
+  static constexpr KvStorage kStorage = KvStorage::bf16;
   static constexpr bool kStreamAhead = true;
 
   template <class S>
@@ -95,7 +105,8 @@ struct StorageTraits<hwy::bfloat16_t> {
 template <>
 struct StorageTraits<hwy::float16_t> {
   using Stored = hwy::float16_t;
-  static constexpr DType kDType = DType::f16;
+  static constexpr std::int64_t kBlock = 1;
+  static constexpr KvStorage kStorage = KvStorage::f16;
   static constexpr bool kStreamAhead = true;
 
   template <class S>
@@ -114,15 +125,100 @@ struct StorageTraits<hwy::float16_t> {
   }
 };
 
-// Calls f(StorageTraits<...>{}) for the traits of storage `dtype` (the
-// cache's config has been validated: one of the specializations above).
+// The quantized blocks: a row is written 32 values at a time, rounded to
+// f32 and quantized as ggml does (cache/formats.hpp).
+template <class Block, void (*kQuantize)(const float*, std::int64_t, Block*)>
+struct BlockWriter {
+  template <class S>
+  static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
+    float block[kQuantBlock];
+    const auto* s = static_cast<const S*>(src);
+    auto* out = static_cast<Block*>(dst);
+    for (std::int64_t b = 0; b < n / kQuantBlock; ++b) {
+      detail::copy_row<S, float>(s + b * kQuantBlock * stride, stride, block, kQuantBlock);
+      kQuantize(block, kQuantBlock, out + b);
+    }
+  }
+};
+
+// The f16 scale of a block, broadcast.
+template <class D>
+HWY_INLINE hn::Vec<D> BlockScale(D d, std::uint16_t bits) {
+  return hn::Set(d, to_float(f16{bits}));
+}
+
+// q8_0: d * q, the int8 values widened and converted.
+template <>
+struct StorageTraits<BlockQ8_0> : BlockWriter<BlockQ8_0, &quantize_q8_0> {
+  using Stored = BlockQ8_0;
+  static constexpr std::int64_t kBlock = kQuantBlock;
+  static constexpr KvStorage kStorage = KvStorage::q8_0;
+  static constexpr bool kStreamAhead = true;
+
+  template <class D>
+  static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
+    const hn::Rebind<std::int8_t, D> d8;
+    const hn::RebindToSigned<D> d32;
+    const Stored& block = row[i / kBlock];
+    const auto q = hn::PromoteTo(d32, hn::LoadU(d8, block.qs + i % kBlock));
+    return hn::Mul(hn::ConvertTo(d, q), BlockScale(d, block.d));
+  }
+  static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
+    const Stored& block = row[i / kBlock];
+    return to_float(f16{block.d}) * static_cast<float>(block.qs[i % kBlock]);
+  }
+};
+
+// q4_0: d * (q - 8); byte j of a block holds elements j (low nibble) and
+// j + 16 (high), so a vector of up to 16 lanes at i (a multiple of its
+// lanes) reads the low or the high nibbles of consecutive bytes.
+template <>
+struct StorageTraits<BlockQ4_0> : BlockWriter<BlockQ4_0, &quantize_q4_0> {
+  using Stored = BlockQ4_0;
+  static constexpr std::int64_t kBlock = kQuantBlock;
+  static constexpr KvStorage kStorage = KvStorage::q4_0;
+  static constexpr bool kStreamAhead = true;
+  static constexpr std::int64_t kHalf = kBlock / 2;
+
+  template <class D>
+  static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
+    static_assert(hn::MaxLanes(D()) <= kHalf, "a vector within one half of a block");
+    const hn::Rebind<std::uint8_t, D> d8;
+    const hn::RebindToSigned<D> d32;
+    const Stored& block = row[i / kBlock];
+    const std::int64_t j = i % kBlock;
+    const auto bytes = hn::BitCast(
+        d32, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(d8, block.qs + j % kHalf)));
+    const auto q = j < kHalf ? hn::And(bytes, hn::Set(d32, 15)) : hn::ShiftRight<4>(bytes);
+    return hn::Mul(hn::ConvertTo(d, hn::Sub(q, hn::Set(d32, 8))), BlockScale(d, block.d));
+  }
+  static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
+    const Stored& block = row[i / kBlock];
+    const std::int64_t j = i % kBlock;
+    const int q = j < kHalf ? block.qs[j] & 15 : block.qs[j - kHalf] >> 4;
+    return to_float(f16{block.d}) * static_cast<float>(q - 8);
+  }
+};
+
+// Stored units of n elements.
+template <class Traits>
+constexpr std::int64_t Units(std::int64_t n) {
+  return n / Traits::kBlock;
+}
+
+// Calls f(StorageTraits<...>{}) for the traits of `storage` (resolved, not
+// automatic: one of the specializations above).
 template <class F>
-decltype(auto) WithStorage(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::bf16:
+decltype(auto) WithStorage(KvStorage storage, F&& f) {
+  switch (storage) {
+    case KvStorage::bf16:
       return f(StorageTraits<hwy::bfloat16_t>{});
-    case DType::f16:
+    case KvStorage::f16:
       return f(StorageTraits<hwy::float16_t>{});
+    case KvStorage::q8_0:
+      return f(StorageTraits<BlockQ8_0>{});
+    case KvStorage::q4_0:
+      return f(StorageTraits<BlockQ4_0>{});
     default:
       return f(StorageTraits<float>{});
   }

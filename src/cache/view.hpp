@@ -1,7 +1,7 @@
 // What the decode kernel reads of a KV cache: a plain view of its pages,
 // built by the entry point (api/decode.cpp) from qkv::KvCache for the length
-// of one call, so that the kernel never sees the class. The elements are in
-// the cache's storage dtype; their layout and how they widen to f32 are the
+// of one call, so that the kernel never sees the class. Keys and values are
+// each in their storage; their layout and how they widen to f32 are the
 // storage traits' (cache/storage-inl.h).
 #pragma once
 
@@ -10,12 +10,13 @@
 #include <span>
 #include <vector>
 
-#include "qkv/dtype.hpp"
+#include "qkv/kv_cache.hpp"
 
 namespace qkv::cache {
 
 struct KvView {
-  DType dtype = DType::f32;  // storage: which StorageTraits reads it
+  KvStorage key_storage = KvStorage::f32;    // which StorageTraits reads the keys
+  KvStorage value_storage = KvStorage::f32;  // and the values
   std::int64_t batch = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
   // Tokens per page (contiguous: capacity). A page holds page_size token
   // rows, keys [Hkv, Dk] and values [Hkv, Dv] each, contiguous.

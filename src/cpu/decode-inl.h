@@ -4,10 +4,10 @@
 // and sum, and accumulates p V, widening the stored entries to f32 in
 // registers. The cache comes as a plain view (cache/view.hpp) and its rows
 // are read through the storage traits (cache/storage-inl.h): the kernel is
-// one template over them, whatever the stored type. A work item takes all KV heads of a range of
-// tokens, so it reads the cache sequentially, token row after token row: one KV head alone would
-// read D of every Hkv * D elements, a new page per key, and leave the
-// hardware prefetchers and the TLB behind.
+// one template over the keys' and the values' traits, whatever they store. A work item takes all KV
+// heads of a range of tokens, so it reads the cache sequentially, token row after token row: one KV
+// head alone would read D of every Hkv * D elements, a new page per key, and leave the hardware
+// prefetchers and the TLB behind.
 #if defined(QKV_CPU_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_DECODE_INL_H_
 #undef QKV_CPU_DECODE_INL_H_
@@ -286,7 +286,8 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
   using T = typename Traits::Stored;
   constexpr bool kSpread = Traits::kStreamAhead;
   const hn::ScalableTag<float> d;
-  const std::int64_t key_bytes = sh.hkv * sh.dk * static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t head = cache::HWY_NAMESPACE::Units<Traits>(sh.dk);  // Stored per head
+  const std::int64_t key_bytes = sh.hkv * head * static_cast<std::int64_t>(sizeof(T));
   for (std::int64_t c = 0; c < cols; c += 2) {
     const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
     // f32: software prefetch of the keys two tokens ahead (the value tiles
@@ -299,7 +300,7 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
       }
     }
     for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
-      const T* krows[2] = {keys[c] + hk * sh.dk, keys[c + pair - 1] + hk * sh.dk};
+      const T* krows[2] = {keys[c] + hk * head, keys[c + pair - 1] + hk * head};
       for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
         WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
           float* out = s + c * sh.rows_pad + r;
@@ -397,14 +398,18 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
   }
 }
 
-// One work item of a cache stored as Traits says. q holds the sequence's
-// scaled query rows [rows][dk_pad].
-template <class Traits>
+// One work item of a cache whose keys are stored as KTraits says and its
+// values as VTraits. q holds the sequence's scaled query rows [rows][dk_pad].
+template <class KTraits, class VTraits>
 void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RESTRICT q,
                    DecodeScratch& sc) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  using T = typename Traits::Stored;
+  using KT = typename KTraits::Stored;
+  using VT = typename VTraits::Stored;
+  // Stored units of a token's keys [Hkv, Dk] and values [Hkv, Dv].
+  const std::int64_t key_row = plan.hkv * cache::HWY_NAMESPACE::Units<KTraits>(plan.dk);
+  const std::int64_t value_row = plan.hkv * cache::HWY_NAMESPACE::Units<VTraits>(plan.dv);
   const KernelParams& o = plan.params;
   const cache::KvView& cache = *plan.cache;
   const ItemShape sh{lanes,
@@ -446,23 +451,23 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   // token's row of the cache, contiguous, so the item streams its range.
   // The page of a block's first token is looked up once; the rows after it
   // follow within the page.
-  auto token_rows = [&](std::int64_t j0, std::int64_t cols, const T** keys, const T** values) {
+  auto token_rows = [&](std::int64_t j0, std::int64_t cols, const KT** keys, const VT** values) {
     std::int64_t page = j0 / ps, row = j0 % ps;
     for (std::int64_t c = 0; c < cols; ++page, row = 0) {
-      const auto* k = reinterpret_cast<const T*>(cache.key_page(item.b, page));
-      const auto* v = reinterpret_cast<const T*>(cache.value_page(item.b, page));
+      const auto* k = reinterpret_cast<const KT*>(cache.key_page(item.b, page));
+      const auto* v = reinterpret_cast<const VT*>(cache.value_page(item.b, page));
       for (; row < ps && c < cols; ++row, ++c) {
-        keys[c] = k + row * sh.hkv * sh.dk;
-        values[c] = v + row * sh.hkv * sh.dv;
+        keys[c] = k + row * key_row;
+        values[c] = v + row * value_row;
       }
     }
   };
 
-  const std::int64_t key_bytes = sh.hkv * sh.dk * static_cast<std::int64_t>(sizeof(T));
-  const std::int64_t value_bytes = sh.hkv * sh.dv * static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t key_bytes = key_row * static_cast<std::int64_t>(sizeof(KT));
+  const std::int64_t value_bytes = value_row * static_cast<std::int64_t>(sizeof(VT));
   float* s = sc.s.get();
-  const T* keys[kDecodeBlock];
-  const T* values[kDecodeBlock];
+  const KT* keys[kDecodeBlock];
+  const VT* values[kDecodeBlock];
   // 16-bit caches fetch the next block's keys during this block's score pass
   // and its values during the value pass, a few lines per tile (LineStream),
   // instead of keys two tokens ahead and values a block ahead in bursts:
@@ -471,16 +476,16 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   // f32 caches measured the same at long caches and slower at L = 4096
   // (short work items start each block unfetched), so they keep the keys
   // two tokens ahead and the value tiles' own prefetch. Each storage's
-  // traits choose (kStreamAhead).
-  constexpr bool kSpread = Traits::kStreamAhead;
+  // traits choose (kStreamAhead), for keys and values apart.
+  constexpr bool kSpread = KTraits::kStreamAhead || VTraits::kStreamAhead;
   const std::int64_t tiles_per_head = (sh.head_rows + 3) / 4;
   LineStream next_keys, next_values;
   for (std::int64_t j0 = item.begin; j0 < item.end; j0 += kDecodeBlock) {
     const std::int64_t cols = std::min(kDecodeBlock, item.end - j0);
     token_rows(j0, cols, keys, values);
     if constexpr (kSpread) {
-      const T* ahead_keys[kDecodeBlock];
-      const T* ahead_values[kDecodeBlock];
+      const KT* ahead_keys[kDecodeBlock];
+      const VT* ahead_values[kDecodeBlock];
       const std::int64_t ahead = std::min(kDecodeBlock, item.end - j0 - cols);
       if (ahead > 0) token_rows(j0 + cols, ahead, ahead_keys, ahead_values);
       const std::int64_t score_tiles = (cols + 1) / 2 * sh.hkv * tiles_per_head;
@@ -489,7 +494,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
       next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
       next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
     }
-    BlockScores<Traits>(sh, q, keys, cols, next_keys, s);
+    BlockScores<KTraits>(sh, q, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
       BlockModifyAndMask(plan, sh, length, j0, cols, alibi, slopes, s);
@@ -497,7 +502,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
     RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
-    BlockValues<Traits>(sh, s, values, cols, next_values, o_acc);
+    BlockValues<VTraits>(sh, s, values, cols, next_values, o_acc);
   }
   std::copy_n(m, sh.rows, plan.partial_m.data() + item.slot * sh.rows);
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
@@ -527,13 +532,22 @@ inline void DecodeMerge(DecodePlan& plan) {
   }
 }
 
+// Calls f(KTraits{}, VTraits{}) for the storage of the keys and of the
+// values (each of the five, in any pair).
+template <class F>
+void WithCacheTraits(KvStorage keys, KvStorage values, F&& f) {
+  using cache::HWY_NAMESPACE::WithStorage;
+  WithStorage(keys, [&](auto k) { WithStorage(values, [&](auto v) { f(k, v); }); });
+}
+
 inline void DecodeImpl(DecodePlan& plan) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t dk_pad = RoundUp(plan.dk, lanes);
   const std::int64_t rows_pad = RoundUp(plan.rows, lanes);
   const auto n = static_cast<std::int64_t>(plan.items.size());
-  const DType storage = plan.cache->dtype;
+  const KvStorage key_storage = plan.cache->key_storage;
+  const KvStorage value_storage = plan.cache->value_storage;
   // Every sequence's scaled query rows [B][rows][dk_pad], converted once
   // for all its splits; the padding past dk stays zero.
   const Floats q = AllocFloats(plan.batch * plan.rows * dk_pad);
@@ -559,8 +573,9 @@ inline void DecodeImpl(DecodePlan& plan) {
     for (std::int64_t i = 0; i < n; ++i) {
       const DecodeItem& item = plan.items[static_cast<std::size_t>(i)];
       const float* q_item = q.get() + item.b * plan.rows * dk_pad;
-      cache::HWY_NAMESPACE::WithStorage(
-          storage, [&](auto traits) { DecodeItemRun<decltype(traits)>(plan, item, q_item, sc); });
+      WithCacheTraits(key_storage, value_storage, [&](auto k, auto v) {
+        DecodeItemRun<decltype(k), decltype(v)>(plan, item, q_item, sc);
+      });
     }
   }
   DecodeMerge(plan);
