@@ -97,7 +97,11 @@ DEFAULT_FILTER = r"/N(512|2048)/|/cross$|^dec/|^mod/"
 SUITES = ("forward", "backward", "decode", "all", "modules")
 QKV_VIA = ("package", "binary")
 # Storage dtype names of qkv.KvCache for the bench's cache dtypes.
-CACHE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+CACHE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0",
+                "q4_0": "q4_0"}
+# torch has no quantized KV cache: a quantized record is compared with torch on
+# float16 keys and values, the smallest dense cache a torch user would keep.
+TORCH_CACHE = {"q8_0": "f16", "q4_0": "f16"}
 # Token rows (B * tokens) per KvCache.append when filling a decode cache, as
 # `qkv bench` does (kFillRows in tools/bench.cpp).
 FILL_ROWS = 4096
@@ -205,8 +209,10 @@ def torch_dtype(torch: Any, name: str) -> Any:
 
 def decode_dtypes(torch: Any, rec: dict[str, Any]) -> tuple[str, str]:
     """(q dtype, k/v dtype) names torch uses on a decode record: k and v in the cache's
-    dtype; q in the record's dtype if SDPA accepts it against that cache, else the cache's."""
-    q_name, kv_name = rec["dtype"], rec["cache_dtype"]
+    dtype (float16 for a quantized cache: TORCH_CACHE); q in the record's dtype if SDPA
+    accepts it against that cache, else the cache's."""
+    q_name = rec["dtype"]
+    kv_name = TORCH_CACHE.get(rec["cache_dtype"], rec["cache_dtype"])
     q = torch.zeros(1, 2, 1, 8, dtype=torch_dtype(torch, q_name))
     kv = torch.zeros(1, 1, 4, 8, dtype=torch_dtype(torch, kv_name))
     try:
@@ -360,7 +366,8 @@ def time_package(torch: Any, qkv: Any, rec: dict[str, Any], threads: int,
         return (torch.rand(b, n, h, d, generator=gen) * 2 - 1).to(dtype)
 
     if suite == "decode":
-        cache = qkv.KvCache(b, hkv, d, capacity=nk, dtype=CACHE_DTYPES[rec["cache_dtype"]])
+        storage = CACHE_DTYPES[rec["cache_dtype"]]
+        cache = qkv.KvCache(b, hkv, d, capacity=nk, k_dtype=storage, v_dtype=storage)
         chunk = max(1, FILL_ROWS // b)
         for start in range(0, nk, chunk):  # f32 rows, rounded once by append()
             n = min(chunk, nk - start)

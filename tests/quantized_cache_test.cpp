@@ -40,7 +40,7 @@ float half(std::uint16_t bits) { return qkv::to_float(qkv::f16{bits}); }
 
 // The dequantized values of x, one row of n values in `storage`.
 std::vector<float> round_trip(KvStorage storage, const float* x, std::int64_t n) {
-  std::vector<std::byte> bytes(static_cast<std::size_t>(qkv::cache::row_bytes(storage, n)));
+  std::vector<std::byte> bytes(static_cast<std::size_t>(qkv::stored_bytes(storage, n)));
   if (storage == KvStorage::q8_0) {
     qkv::cache::quantize_q8_0(x, n, reinterpret_cast<BlockQ8_0*>(bytes.data()));
   } else {

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <new>
 #include <optional>
@@ -66,7 +67,7 @@ struct Case {
   bool naive = true;  // false where the baseline's Nq x Nk scores do not fit in memory
   // Decode: the KvCache's storage; Nq is the new queries per sequence and Nk
   // the cache length L (queries, in `dtype`, see all L keys).
-  DType cache_dtype = DType::f32;
+  KvStorage cache_storage = KvStorage::f32;
 };
 
 // A sequence length divided by --shrink (at least 1).
@@ -156,17 +157,19 @@ std::vector<Case> backward_cases(int shrink) {
 
 // The decode suite: one new query per sequence against a cache of L tokens,
 // with the heads of Llama 3 8B (32 query heads sharing 8 KV heads of 128), the
-// cache in f32 and in f16 (half the bytes to read), queries in f32. Every
-// case reads each cached byte once per step, so memory bandwidth bounds it.
+// cache in f32, f16 (half the bytes to read) and ggml's q8_0 and q4_0 blocks
+// (8.5 and 4.5 bits per value), queries in f32. Every case reads each cached
+// byte once per step, so memory bandwidth bounds it.
 std::vector<Case> decode_cases(int shrink) {
   struct Shape {
     std::int64_t b, l;
   };
   std::vector<Case> cases;
-  for (const DType cache_dtype : {DType::f32, DType::f16}) {
+  for (const KvStorage storage :
+       {KvStorage::f32, KvStorage::f16, KvStorage::q8_0, KvStorage::q4_0}) {
     for (const Shape shape : {Shape{1, 4096}, Shape{1, 32768}, Shape{1, 131072}, Shape{16, 4096}}) {
       const std::int64_t l = shrunk(shape.l, shrink);
-      cases.push_back({.name = "dec/" + std::string(dtype_name(cache_dtype)) + "/B" +
+      cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/B" +
                                std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
                                "/D128/n1",
                        .pass = Pass::decode,
@@ -178,7 +181,7 @@ std::vector<Case> decode_cases(int shrink) {
                        .d = 128,
                        .causal = true,
                        .naive = false,
-                       .cache_dtype = cache_dtype});
+                       .cache_storage = storage});
     }
   }
   return cases;
@@ -235,9 +238,9 @@ std::string json_line(const Row& r, int threads, const char* target) {
                   ",\"cache_dtype\":\"%.*s\",\"L\":%lld,\"bytes_per_second\":%.6g,"
                   "\"probe_bytes_per_second\":%.6g,\"fraction_of_bandwidth\":%.4g,"
                   "\"tokens_per_second\":%.6g",
-                  static_cast<int>(dtype_name(c.cache_dtype).size()),
-                  dtype_name(c.cache_dtype).data(), static_cast<long long>(c.nk),
-                  r.bytes_per_second, bandwidth, r.bytes_per_second / bandwidth,
+                  static_cast<int>(std::strlen(storage_name(c.cache_storage))),
+                  storage_name(c.cache_storage), static_cast<long long>(c.nk), r.bytes_per_second,
+                  bandwidth, r.bytes_per_second / bandwidth,
                   static_cast<double>(c.b * c.nq) / r.timing.seconds);
     line += text;
   }
@@ -298,9 +301,9 @@ std::vector<Case> suite_cases(const BenchOptions& options) {
 // D = 128) whatever L is.
 constexpr std::int64_t kFillRows = 4096;
 
-// Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) elements.
+// Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) stored values.
 std::int64_t cache_bytes(const Case& c) {
-  return c.b * c.nk * c.hkv * 2 * c.d * static_cast<std::int64_t>(dtype_size(c.cache_dtype));
+  return c.b * c.nk * c.hkv * 2 * stored_bytes(c.cache_storage, c.d);
 }
 
 // Makes `cache` a contiguous cache holding L tokens per sequence: uniform
@@ -322,7 +325,8 @@ std::string fill_cache(const Case& c, std::mt19937& rng, std::optional<KvCache>&
                                 .kv_heads = c.hkv,
                                 .head_dim = c.d,
                                 .capacity = c.nk,
-                                .dtype = c.cache_dtype});
+                                .key_storage = c.cache_storage,
+                                .value_storage = c.cache_storage});
     for (std::int64_t t = 0; t < c.nk; t += chunk) {
       const std::int64_t n = std::min(chunk, c.nk - t);
       const Tensor k = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);

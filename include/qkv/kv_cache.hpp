@@ -23,36 +23,11 @@
 #include <span>
 #include <vector>
 
+#include "qkv/kv_storage.hpp"  // KvStorage
 #include "qkv/positional.hpp"  // RopeConfig
 #include "qkv/tensor.hpp"
 
 namespace qkv {
-
-// How a KvCache stores its keys or its values. The quantized formats are
-// ggml's, bit for bit (llama.cpp's --cache-type-k/-v): a head's row of D
-// values (D a multiple of 32) is D / 32 blocks of 32 consecutive values, each
-// an f16 scale d followed by the quantized values. Append rounds the inputs
-// to f32, then quantizes each block as ggml's reference does:
-//   q8_0 (34 bytes per block): d = max|x| / 127, q = round(x / d) (half away
-//        from zero) in int8; x' = d * q. Error per value <= d / 2 (d before
-//        its rounding to f16, which adds up to 2^-11 relative).
-//   q4_0 (18 bytes per block): m = the x of largest magnitude, d = m / -8,
-//        q = min(15, floor(x / d + 8.5)) in 4 bits (byte j holds values j
-//        and j + 16, low nibble first); x' = d * (q - 8). Error per value
-//        <= |d| / 2, except |d| for the values clipped at q = 15 (the
-//        largest magnitude's opposite sign: x / d up to 8).
-// Quantized storage holds finite values only: an append with an inf or NaN
-// bound for it throws (changing nothing).
-enum class KvStorage : std::uint8_t {
-  automatic,  // KvCacheConfig::dtype
-  f32,
-  bf16,
-  f16,
-  q8_0,
-  q4_0,
-};
-// "auto", "f32", "bf16", "f16", "q8_0", "q4_0".
-const char* storage_name(KvStorage storage);
 
 // Shape and storage of a KvCache.
 struct KvCacheConfig {
@@ -82,6 +57,9 @@ class KvCache {
   KvStorage value_storage() const;
   // Tokens per page (contiguous: capacity).
   std::int64_t page_size() const;
+  // Bytes of one token's keys [Hkv, Dk] and of its values [Hkv, Dv] as stored.
+  std::int64_t key_token_bytes() const { return key_row_bytes_; }
+  std::int64_t value_token_bytes() const { return value_row_bytes_; }
   // Tokens stored in sequence b, and all B lengths.
   std::int64_t length(std::int64_t b) const;
   std::span<const std::int64_t> lengths() const { return lengths_; }
@@ -120,8 +98,10 @@ class KvCache {
   std::vector<std::int64_t> free_;                 // pool pages not in use
   std::int64_t key_row_bytes_ = 0;                 // bytes of one token's keys [Hkv, Dk]
   std::int64_t value_row_bytes_ = 0;               // and of its values [Hkv, Dv]
-  std::vector<std::byte> keys_;                    // [pages, page_size, Hkv, Dk] stored
-  std::vector<std::byte> values_;                  // [pages, page_size, Hkv, Dv] stored
+  // Stored bytes [pages, page_size, token bytes]: a Tensor for its 64-byte
+  // alignment, huge pages and threaded zeroing, read as raw bytes.
+  Tensor keys_;
+  Tensor values_;
 };
 
 }  // namespace qkv

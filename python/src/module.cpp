@@ -76,6 +76,34 @@ DType storage_dtype(const std::string& s) {
   throw Error("dtype: expected 'float32', 'bfloat16' or 'float16', got '" + s + "'");
 }
 
+// A KvCache's key or value storage by name; empty: the cache's dtype.
+KvStorage kv_storage(const std::optional<std::string>& s, const char* name) {
+  if (!s) return KvStorage::automatic;
+  if (*s == "float32") return KvStorage::f32;
+  if (*s == "bfloat16") return KvStorage::bf16;
+  if (*s == "float16") return KvStorage::f16;
+  if (*s == "q8_0") return KvStorage::q8_0;
+  if (*s == "q4_0") return KvStorage::q4_0;
+  throw Error(std::string(name) +
+              ": expected 'float32', 'bfloat16', 'float16', 'q8_0', 'q4_0' or None (dtype), got '" +
+              *s + "'");
+}
+
+const char* kv_storage_name(KvStorage s) {
+  switch (s) {
+    case KvStorage::bf16:
+      return "bfloat16";
+    case KvStorage::f16:
+      return "float16";
+    case KvStorage::q8_0:
+      return "q8_0";
+    case KvStorage::q4_0:
+      return "q4_0";
+    default:
+      return "float32";
+  }
+}
+
 FeatureMap parse_feature_map(const std::string& s) {
   if (s == "elu_plus_one") return FeatureMap::elu_plus_one;
   if (s == "relu") return FeatureMap::relu;
@@ -198,7 +226,8 @@ NB_MODULE(_qkv, m) {
           "__init__",
           [](KvCache* self, std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim,
              std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
-             std::int64_t page_size, std::int64_t num_pages) {
+             std::int64_t page_size, std::int64_t num_pages,
+             const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype) {
             KvCacheConfig c;
             c.batch = batch;
             c.kv_heads = kv_heads;
@@ -208,10 +237,13 @@ NB_MODULE(_qkv, m) {
             c.dtype = storage_dtype(dtype);
             c.page_size = page_size;
             c.num_pages = num_pages;
+            c.key_storage = kv_storage(k_dtype, "k_dtype");
+            c.value_storage = kv_storage(v_dtype, "v_dtype");
             new (self) KvCache(c);
           },
           "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a,
-          "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0)
+          "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0,
+          "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none())
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
@@ -220,6 +252,22 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("capacity", [](const KvCache& c) { return c.config().capacity; })
       .def_prop_ro("page_size", &KvCache::page_size)
       .def_prop_ro("free_pages", &KvCache::free_pages)
+      .def_prop_ro("k_dtype", [](const KvCache& c) { return kv_storage_name(c.key_storage()); })
+      .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
+      .def(
+          "key_page",
+          [](const KvCache& c, std::int64_t b, std::int64_t index) {
+            const auto* p = static_cast<const char*>(c.key_page(b, index));
+            return nb::bytes(p, static_cast<std::size_t>(c.page_size() * c.key_token_bytes()));
+          },
+          "b"_a, "index"_a)
+      .def(
+          "value_page",
+          [](const KvCache& c, std::int64_t b, std::int64_t index) {
+            const auto* p = static_cast<const char*>(c.value_page(b, index));
+            return nb::bytes(p, static_cast<std::size_t>(c.page_size() * c.value_token_bytes()));
+          },
+          "b"_a, "index"_a)
       .def("length", &KvCache::length, "b"_a)
       .def("lengths",
            [](const KvCache& c) {

@@ -117,8 +117,8 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   Tensor v(DType::f32, {c.batch, longest, hkv, dv});
   const std::int64_t ps = cache.page_size();
   // Bytes of one head's stored row, and of a token's (all heads).
-  const std::int64_t k_head = cache::row_bytes(cache.key_storage(), dk);
-  const std::int64_t v_head = cache::row_bytes(cache.value_storage(), dv);
+  const std::int64_t k_head = stored_bytes(cache.key_storage(), dk);
+  const std::int64_t v_head = stored_bytes(cache.value_storage(), dv);
   auto* kd = static_cast<float*>(k.view().data());
   auto* vd = static_cast<float*>(v.view().data());
   for (std::int64_t b = 0; b < c.batch; ++b) {

@@ -24,6 +24,20 @@ const char* storage_name(KvStorage storage) {
   return "?";
 }
 
+std::int64_t stored_bytes(KvStorage storage, std::int64_t n) {
+  switch (storage) {
+    case KvStorage::q8_0:
+      return n / cache::kQuantBlock * static_cast<std::int64_t>(sizeof(cache::BlockQ8_0));
+    case KvStorage::q4_0:
+      return n / cache::kQuantBlock * static_cast<std::int64_t>(sizeof(cache::BlockQ4_0));
+    case KvStorage::bf16:
+    case KvStorage::f16:
+      return n * 2;
+    default:
+      return n * 4;
+  }
+}
+
 namespace cache {
 
 KvStorage storage_of(DType dtype) {
@@ -34,20 +48,6 @@ KvStorage storage_of(DType dtype) {
       return KvStorage::f16;
     default:
       return KvStorage::f32;
-  }
-}
-
-std::int64_t row_bytes(KvStorage storage, std::int64_t n) {
-  switch (storage) {
-    case KvStorage::q8_0:
-      return n / kQuantBlock * static_cast<std::int64_t>(sizeof(BlockQ8_0));
-    case KvStorage::q4_0:
-      return n / kQuantBlock * static_cast<std::int64_t>(sizeof(BlockQ4_0));
-    case KvStorage::bf16:
-    case KvStorage::f16:
-      return n * 2;
-    default:
-      return n * 4;
   }
 }
 

@@ -1,5 +1,5 @@
-// The stored formats of the KV cache (qkv::KvStorage), scalar: the bytes a
-// row of values takes, the quantized blocks (ggml's q8_0 and q4_0, bit for
+// The stored formats of the KV cache (qkv::KvStorage), scalar: the quantized
+// blocks (ggml's q8_0 and q4_0, bit for
 // bit), the rounding of a row into its format on append, and the exact
 // widening of a stored row back to f32. The reference decode reads the cache
 // through dequantize_row; the decode kernel reads it through the per-target
@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "qkv/dtype.hpp"
-#include "qkv/kv_cache.hpp"
+#include "qkv/kv_storage.hpp"
 
 namespace qkv::cache {
 
@@ -33,9 +33,6 @@ inline bool is_quantized(KvStorage s) { return s == KvStorage::q8_0 || s == KvSt
 
 // The storage of dtype f32, bf16 or f16.
 KvStorage storage_of(DType dtype);
-
-// Bytes of a row of n values (quantized: n % kQuantBlock == 0).
-std::int64_t row_bytes(KvStorage storage, std::int64_t n);
 
 // Quantizes n values (n % kQuantBlock == 0, all finite) into n / 32 blocks,
 // as ggml's quantize_row_q8_0_ref and quantize_row_q4_0_ref do.

@@ -51,6 +51,12 @@ std::string unknown_sequence(const char* op, std::int64_t b, std::int64_t batch)
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
+// The stored bytes of a cache's keys or values (a Tensor of 1-byte elements).
+std::byte* bytes_of(Tensor& t) { return static_cast<std::byte*>(t.view().data()); }
+const std::byte* bytes_of(const Tensor& t) {
+  return static_cast<const std::byte*>(t.view().data());
+}
+
 // What a mutating call may touch, gathered so that the shared steps below can
 // work on a KvCache's private state.
 struct Pool {
@@ -292,13 +298,12 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   }
   throw_if(r);
 
-  key_row_bytes_ = c.kv_heads * cache::row_bytes(key_storage(), c.head_dim);
-  value_row_bytes_ = c.kv_heads * cache::row_bytes(value_storage(), dv);
+  key_row_bytes_ = c.kv_heads * stored_bytes(key_storage(), c.head_dim);
+  value_row_bytes_ = c.kv_heads * stored_bytes(value_storage(), dv);
   try {
-    keys_.assign(static_cast<std::size_t>(pages * tokens * key_row_bytes_), std::byte{0});
-    values_.assign(static_cast<std::size_t>(pages * tokens * value_row_bytes_), std::byte{0});
+    keys_ = Tensor(DType::boolean, {pages, tokens, key_row_bytes_});
+    values_ = Tensor(DType::boolean, {pages, tokens, value_row_bytes_});
   } catch (const std::exception& e) {
-    // std::bad_alloc (or std::length_error beyond what a vector can hold).
     throw Error("config: cannot allocate the storage of keys [" + to_string(pages) + ", " +
                 to_string(tokens) + ", " + to_string(c.kv_heads) + ", " + to_string(c.head_dim) +
                 "] and values [" + to_string(pages) + ", " + to_string(tokens) + ", " +
@@ -409,9 +414,20 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
       }
     }
   }
-  Pool pool{config_.capacity, page_size(),      hkv,          config_.head_dim, value_dim(),
-            lengths_,         tables_,          free_,        key_storage(),    value_storage(),
-            key_row_bytes_,   value_row_bytes_, keys_.data(), values_.data()};
+  Pool pool{config_.capacity,
+            page_size(),
+            hkv,
+            config_.head_dim,
+            value_dim(),
+            lengths_,
+            tables_,
+            free_,
+            key_storage(),
+            value_storage(),
+            key_row_bytes_,
+            value_row_bytes_,
+            bytes_of(keys_),
+            bytes_of(values_)};
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
   if (r.empty()) {
@@ -432,9 +448,20 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   const std::int64_t n = check_rows(*this, false, k_new, v_new, rope, r);
   // As a batch append in which only sequence b gets rows: the inputs repeat
   // over the batch (stride 0) and every other count is 0.
-  Pool pool{config_.capacity, page_size(),      hkv,          config_.head_dim, value_dim(),
-            lengths_,         tables_,          free_,        key_storage(),    value_storage(),
-            key_row_bytes_,   value_row_bytes_, keys_.data(), values_.data()};
+  Pool pool{config_.capacity,
+            page_size(),
+            hkv,
+            config_.head_dim,
+            value_dim(),
+            lengths_,
+            tables_,
+            free_,
+            key_storage(),
+            value_storage(),
+            key_row_bytes_,
+            value_row_bytes_,
+            bytes_of(keys_),
+            bytes_of(values_)};
   const Counts rows{.rows = n, .only = b};
   if (b_ok && n >= 0) check_room("append_to", pool, rows, r);
   throw_if(r);
@@ -475,13 +502,13 @@ std::int64_t page_of(const char* op, std::span<const std::int64_t> table, std::i
 const void* KvCache::key_page(std::int64_t b, std::int64_t index) const {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("key_page", b, config_.batch));
   const std::int64_t page = page_of("key_page", tables_[b], b, index);
-  return keys_.data() + page * page_size() * key_row_bytes_;
+  return bytes_of(keys_) + page * page_size() * key_row_bytes_;
 }
 
 const void* KvCache::value_page(std::int64_t b, std::int64_t index) const {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("value_page", b, config_.batch));
   const std::int64_t page = page_of("value_page", tables_[b], b, index);
-  return values_.data() + page * page_size() * value_row_bytes_;
+  return bytes_of(values_) + page * page_size() * value_row_bytes_;
 }
 
 std::span<const std::int64_t> KvCache::block_table(std::int64_t b) const {

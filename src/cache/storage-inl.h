@@ -27,6 +27,12 @@
 //   Load(d, row, i)     elements [i, i + Lanes(d)) of a stored row as an f32
 //                       vector, exactly; i is a multiple of Lanes(d)
 //   LoadOne(row, i)     element i of a stored row as f32, exactly
+// and, for blocks (kBlock > 1), Load = LoadUnscaled * Scale:
+//   Scale(d, row, i)    the scale of the block holding element i, broadcast
+//   LoadUnscaled(d, row, i)
+//                       elements [i, i + Lanes(d)) before their scale (the
+//                       kernel widens a scale once per block and token for
+//                       all of the block's vectors)
 // and Units<Traits>(n) is the number of Stored of n elements.
 //
 // Per Highway target (the -inl.h toggle); the cache's appends include it for
@@ -45,7 +51,7 @@
 #include "core/rows.hpp"
 #include "hwy/highway.h"
 #include "qkv/dtype.hpp"
-#include "qkv/kv_cache.hpp"
+#include "qkv/kv_storage.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cache {
@@ -125,10 +131,25 @@ struct StorageTraits<hwy::float16_t> {
   }
 };
 
-// The quantized blocks: a row is written 32 values at a time, rounded to
-// f32 and quantized as ggml does (cache/formats.hpp).
-template <class Block, void (*kQuantize)(const float*, std::int64_t, Block*)>
-struct BlockWriter {
+// The f16 scale of a block, broadcast and widened by the target's
+// conversion (F16C on x86): a scalar conversion here took most of the time.
+template <class D>
+HWY_INLINE hn::Vec<D> BlockScale(D d, std::uint16_t bits) {
+  const hn::Rebind<hwy::float16_t, D> df16;
+  const hn::RebindToUnsigned<decltype(df16)> du16;
+  return hn::PromoteTo(d, hn::BitCast(df16, hn::Set(du16, bits)));
+}
+
+// What the quantized blocks share (Traits: the specialization, which adds
+// LoadUnscaled and LoadOne): a row is written 32 values at a time, rounded
+// to f32 and quantized as ggml does (cache/formats.hpp); a block's scale is
+// its f16 `d`; Load is LoadUnscaled times the scale.
+template <class Traits, class Block, void (*kQuantize)(const float*, std::int64_t, Block*)>
+struct BlockStorage {
+  using Stored = Block;
+  static constexpr std::int64_t kBlock = kQuantBlock;
+  static constexpr bool kStreamAhead = true;
+
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
     float block[kQuantBlock];
@@ -139,29 +160,27 @@ struct BlockWriter {
       kQuantize(block, kQuantBlock, out + b);
     }
   }
+  template <class D>
+  static HWY_INLINE hn::Vec<D> Scale(D d, const Block* HWY_RESTRICT row, std::int64_t i) {
+    return BlockScale(d, row[i / kBlock].d);
+  }
+  template <class D>
+  static HWY_INLINE hn::Vec<D> Load(D d, const Block* HWY_RESTRICT row, std::int64_t i) {
+    return hn::Mul(Traits::LoadUnscaled(d, row, i), Scale(d, row, i));
+  }
 };
-
-// The f16 scale of a block, broadcast.
-template <class D>
-HWY_INLINE hn::Vec<D> BlockScale(D d, std::uint16_t bits) {
-  return hn::Set(d, to_float(f16{bits}));
-}
 
 // q8_0: d * q, the int8 values widened and converted.
 template <>
-struct StorageTraits<BlockQ8_0> : BlockWriter<BlockQ8_0, &quantize_q8_0> {
-  using Stored = BlockQ8_0;
-  static constexpr std::int64_t kBlock = kQuantBlock;
+struct StorageTraits<BlockQ8_0>
+    : BlockStorage<StorageTraits<BlockQ8_0>, BlockQ8_0, &quantize_q8_0> {
   static constexpr KvStorage kStorage = KvStorage::q8_0;
-  static constexpr bool kStreamAhead = true;
 
   template <class D>
-  static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
+  static HWY_INLINE hn::Vec<D> LoadUnscaled(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
     const hn::Rebind<std::int8_t, D> d8;
     const hn::RebindToSigned<D> d32;
-    const Stored& block = row[i / kBlock];
-    const auto q = hn::PromoteTo(d32, hn::LoadU(d8, block.qs + i % kBlock));
-    return hn::Mul(hn::ConvertTo(d, q), BlockScale(d, block.d));
+    return hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, row[i / kBlock].qs + i % kBlock)));
   }
   static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
     const Stored& block = row[i / kBlock];
@@ -173,24 +192,22 @@ struct StorageTraits<BlockQ8_0> : BlockWriter<BlockQ8_0, &quantize_q8_0> {
 // j + 16 (high), so a vector of up to 16 lanes at i (a multiple of its
 // lanes) reads the low or the high nibbles of consecutive bytes.
 template <>
-struct StorageTraits<BlockQ4_0> : BlockWriter<BlockQ4_0, &quantize_q4_0> {
-  using Stored = BlockQ4_0;
-  static constexpr std::int64_t kBlock = kQuantBlock;
+struct StorageTraits<BlockQ4_0>
+    : BlockStorage<StorageTraits<BlockQ4_0>, BlockQ4_0, &quantize_q4_0> {
   static constexpr KvStorage kStorage = KvStorage::q4_0;
-  static constexpr bool kStreamAhead = true;
   static constexpr std::int64_t kHalf = kBlock / 2;
 
   template <class D>
-  static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
+  static HWY_INLINE hn::Vec<D> LoadUnscaled(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
     static_assert(hn::MaxLanes(D()) <= kHalf, "a vector within one half of a block");
     const hn::Rebind<std::uint8_t, D> d8;
     const hn::RebindToSigned<D> d32;
-    const Stored& block = row[i / kBlock];
     const std::int64_t j = i % kBlock;
     const auto bytes = hn::BitCast(
-        d32, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(d8, block.qs + j % kHalf)));
+        d32,
+        hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(d8, row[i / kBlock].qs + j % kHalf)));
     const auto q = j < kHalf ? hn::And(bytes, hn::Set(d32, 15)) : hn::ShiftRight<4>(bytes);
-    return hn::Mul(hn::ConvertTo(d, hn::Sub(q, hn::Set(d32, 8))), BlockScale(d, block.d));
+    return hn::ConvertTo(d, hn::Sub(q, hn::Set(d32, 8)));
   }
   static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
     const Stored& block = row[i / kBlock];

@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-#include "qkv/kv_cache.hpp"
+#include "qkv/kv_storage.hpp"
 
 namespace qkv::cache {
 

@@ -116,6 +116,34 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
     for (int u = 0; u < kRows; ++u) acc[t][u] = hn::Zero(d);
   }
   std::int64_t x = 0;
+  if constexpr (Traits::kBlock > 1) {
+    // Blocks (dk is a multiple of kBlock, itself of the lanes): each token's
+    // block is addressed and its scale widened once for the block's
+    // vectors, whose offsets in it are then constants (the loads' address
+    // arithmetic took as many instructions as the FMAs).
+    using T = typename Traits::Stored;
+    constexpr std::int64_t kLanes = static_cast<std::int64_t>(hn::MaxLanes(D()));
+    constexpr std::int64_t kPerBlock = Traits::kBlock / kLanes;
+    for (; x < dk; x += Traits::kBlock) {
+      const T* block[kTokens];
+      hn::Vec<D> scale[kTokens];
+      for (int t = 0; t < kTokens; ++t) {
+        block[t] = keys[t] + x / Traits::kBlock;
+        scale[t] = Traits::Scale(d, block[t], 0);
+      }
+      for (std::int64_t v = 0; v < kPerBlock; ++v) {
+        hn::Vec<D> qv[kRows];
+        for (int u = 0; u < kRows; ++u) {
+          qv[u] = hn::Load(d, q + u * dk_pad + x + v * kLanes);
+          KeepInRegister(qv[u]);
+        }
+        for (int t = 0; t < kTokens; ++t) {
+          const auto kv = hn::Mul(Traits::LoadUnscaled(d, block[t], v * kLanes), scale[t]);
+          for (int u = 0; u < kRows; ++u) acc[t][u] = hn::MulAdd(kv, qv[u], acc[t][u]);
+        }
+      }
+    }
+  }
   for (; x + lanes <= dk; x += lanes) {
     hn::Vec<D> qv[kRows];
     for (int u = 0; u < kRows; ++u) {
@@ -187,7 +215,18 @@ HWY_INLINE void ValueTile(D d, const float* HWY_RESTRICT p, std::int64_t p_strid
       hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(values[c] + offset) + kValueAhead);
     }
     hn::Vec<D> vv[kVecs];
-    for (int k = 0; k < kVecs; ++k) vv[k] = Traits::Load(d, values[c], offset + k * lanes);
+    if constexpr (Traits::kBlock > 1) {
+      // The tile's kVecs vectors lie in one block (offset is a multiple of
+      // kVecs * lanes, which divides kBlock): one scale for them all.
+      const auto* block = values[c] + offset / Traits::kBlock;
+      const std::int64_t in_block = offset % Traits::kBlock;
+      const auto scale = Traits::Scale(d, block, 0);
+      for (int k = 0; k < kVecs; ++k) {
+        vv[k] = hn::Mul(Traits::LoadUnscaled(d, block, in_block + k * lanes), scale);
+      }
+    } else {
+      for (int k = 0; k < kVecs; ++k) vv[k] = Traits::Load(d, values[c], offset + k * lanes);
+    }
     for (int u = 0; u < kRows; ++u) {
       const auto pu = hn::Set(d, p[c * p_stride + u]);
       for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::MulAdd(pu, vv[k], acc[u][k]);

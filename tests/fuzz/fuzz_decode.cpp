@@ -3,19 +3,22 @@
 // without RoPE) and release, decode_attention and decode_attention_into over
 // their options (scale, softcap, ALiBi, window, backends, and options decode
 // must refuse), apply_rope and apply_rope_backward, with strided and bad
-// views.
+// views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
+// q4_0).
 //
 // Checks: only qkv::Error escapes; a rejected append or release leaves every
 // length, block table, free page count and stored row as it was; a
 // rejected decode leaves its outputs bitwise unchanged, and one that must be
 // rejected is (a sequence shorter than n, n > 16, options that do not apply
 // to decoding); an append without RoPE stores its rows rounded once to the
-// storage dtype; finite caches and queries give finite outputs; decode meets
+// storage dtype (quantized: ggml's quantizer on the rows rounded to f32);
+// finite caches and queries give finite outputs; decode meets
 // the tolerance policy against the reference forward over each sequence's
 // cached keys (computed in double), and is bitwise the same for another
 // thread count and for the allocating call; apply_rope_backward undoes
 // apply_rope.
 #include "api/validate.hpp"
+#include "cache/formats.hpp"
 #include "fuzz_common.hpp"
 #include "reference/attention.hpp"
 
@@ -26,6 +29,7 @@ using qkv::ConstTensorView;
 using qkv::DType;
 using qkv::KvCache;
 using qkv::KvCacheConfig;
+using qkv::KvStorage;
 using qkv::Tensor;
 using qkv::fuzz::Arg;
 using qkv::fuzz::finding;
@@ -34,25 +38,54 @@ using qkv::fuzz::require;
 
 constexpr std::int64_t kMaxDecodeRows = 16;
 
-// The rows a sequence holds, copied out of its pages: [1, L, Hkv, D] in the
-// storage dtype.
+// The rows a sequence holds, read out of its pages and widened to f32
+// (exact for every storage): [1, L, Hkv, D].
 Tensor gather(const KvCache& cache, std::int64_t b, bool keys) {
   const KvCacheConfig& cfg = cache.config();
   const std::int64_t d = keys ? cfg.head_dim : cache.value_dim();
+  const KvStorage storage = keys ? cache.key_storage() : cache.value_storage();
   const std::int64_t length = cache.length(b);
   const std::int64_t sizes[] = {1, length, cfg.kv_heads, d};
-  Tensor t(cfg.dtype, sizes);
-  const std::size_t row = static_cast<std::size_t>(cfg.kv_heads * d) * qkv::dtype_size(cfg.dtype);
-  auto* dst = static_cast<std::byte*>(t.view().data());
+  Tensor t(DType::f32, sizes);
+  const std::int64_t head = qkv::stored_bytes(storage, d);
+  auto* dst = static_cast<float*>(t.view().data());
   for (std::int64_t i = 0; i < length; ++i) {
-    const void* page = keys ? cache.key_page(b, i / cache.page_size())
-                            : cache.value_page(b, i / cache.page_size());
-    std::memcpy(
-        dst + static_cast<std::size_t>(i) * row,
-        static_cast<const std::byte*>(page) + static_cast<std::size_t>(i % cache.page_size()) * row,
-        row);
+    const auto* page =
+        static_cast<const std::byte*>(keys ? cache.key_page(b, i / cache.page_size())
+                                           : cache.value_page(b, i / cache.page_size()));
+    for (std::int64_t h = 0; h < cfg.kv_heads; ++h) {
+      qkv::cache::dequantize_row(storage,
+                                 page + ((i % cache.page_size()) * cfg.kv_heads + h) * head, d,
+                                 dst + (i * cfg.kv_heads + h) * d);
+    }
   }
   return t;
+}
+
+// What a storage holds of rows [.., D] (any floating dtype): rounded once to
+// f32, bf16 or f16, or rounded to f32 and quantized per row of D; in f64.
+Tensor stored_as(ConstTensorView rows, KvStorage storage) {
+  if (!qkv::cache::is_quantized(storage)) {
+    const DType dtype = storage == KvStorage::bf16  ? DType::bf16
+                        : storage == KvStorage::f16 ? DType::f16
+                                                    : DType::f32;
+    return qkv::to_dtype(qkv::to_dtype(rows, dtype), DType::f64);
+  }
+  Tensor f = qkv::to_dtype(rows, DType::f32);
+  const std::int64_t d = rows.size(rows.rank() - 1);
+  std::vector<std::byte> blocks(static_cast<std::size_t>(qkv::stored_bytes(storage, d)));
+  auto* x = static_cast<float*>(f.view().data());
+  for (std::int64_t r = 0; r < f.view().numel() / d; ++r) {
+    if (storage == KvStorage::q8_0) {
+      qkv::cache::quantize_q8_0(x + r * d, d,
+                                reinterpret_cast<qkv::cache::BlockQ8_0*>(blocks.data()));
+    } else {
+      qkv::cache::quantize_q4_0(x + r * d, d,
+                                reinterpret_cast<qkv::cache::BlockQ4_0*>(blocks.data()));
+    }
+    qkv::cache::dequantize_row(storage, blocks.data(), d, x + r * d);
+  }
+  return qkv::to_dtype(f, DType::f64);
 }
 
 // Everything observable about a cache, to compare before and after a
@@ -103,6 +136,20 @@ bool fuzz_config(Input& in, KvCacheConfig& c) {
     *fields[in.range(0, 6)] = in.extreme_int();
   }
   if (in.one_in(20)) c.dtype = qkv::fuzz::any_dtype(in);
+  // Keys and values in their own storage, quantized ones mostly with dims
+  // they accept; sometimes a value outside the enum.
+  static constexpr KvStorage kOwn[] = {KvStorage::automatic, KvStorage::f32,  KvStorage::bf16,
+                                       KvStorage::f16,       KvStorage::q8_0, KvStorage::q4_0};
+  static constexpr std::int64_t kBlockDims[] = {32, 64};
+  if (in.coin()) {
+    c.key_storage = in.pick(kOwn);
+    c.value_storage = in.pick(kOwn);
+    if (qkv::cache::is_quantized(c.key_storage) && !in.one_in(8)) c.head_dim = in.pick(kBlockDims);
+    if (qkv::cache::is_quantized(c.value_storage) && !in.one_in(8)) {
+      c.value_dim = in.coin() ? 0 : in.pick(kBlockDims);
+    }
+    if (in.one_in(20)) c.value_storage = static_cast<KvStorage>(in.range(6, 255));
+  }
   // Bytes the storage would take, in 128 bits; valid configurations above
   // 64 MiB are skipped (they are not errors, only slow).
   const auto positive = [](std::int64_t x) {
@@ -221,8 +268,8 @@ void fuzz_append(Input& in, KvCache& cache) {
         after.keys[static_cast<std::size_t>(b)].view().slice(1, start, added), DType::f64);
     const Tensor v_stored = qkv::to_dtype(
         after.values[static_cast<std::size_t>(b)].view().slice(1, start, added), DType::f64);
-    const Tensor k_want = qkv::to_dtype(qkv::to_dtype(k_in, cfg.dtype), DType::f64);
-    const Tensor v_want = qkv::to_dtype(qkv::to_dtype(v_in, cfg.dtype), DType::f64);
+    const Tensor k_want = stored_as(k_in, cache.key_storage());
+    const Tensor v_want = stored_as(v_in, cache.value_storage());
     for (std::int64_t i = 0; i < added * cfg.kv_heads * cfg.head_dim; ++i) {
       const double* x = static_cast<const double*>(k_stored.view().data());
       const double* y = static_cast<const double*>(k_want.view().data());
