@@ -309,6 +309,65 @@ TEST(QuantizedCache, DecodeErrorWithinTheQuantizationBound) {
   }
 }
 
+// KvCacheConfig::rotate: keys and values stored rotated by the Hadamard
+// transform, queries rotated and outputs turned back by the kernel. With f32
+// storage the result is the plain one up to the f32 rounding of the
+// rotations; quantized, with an outlier channel, the rotation spreads the
+// outlier over the row, and the error against the f32 cache drops.
+TEST(QuantizedCache, HadamardRotation) {
+  const Sequence s = make_sequence(120, 8, 2, 64, 64, 61, true);
+  KvCache plain(config(s, KvStorage::f32, KvStorage::f32, 0));
+  const Tensor exact = decode_all(s.q, s.k, s.v, plain, 3);
+  KvCacheConfig c = config(s, KvStorage::f32, KvStorage::f32, 8);
+  c.rotate = true;
+  KvCache rotated_f32(c);
+  // Each rotation (log2 64 = 6 butterfly stages and a scaling) moves a row by
+  // at most g = 8u of its norm: the scores by delta <= scale * 3g * max||q||
+  // * max||k|| (q and k rotated, k rounded), the outputs by e^(2 delta) - 1
+  // of max|v| and 3g of max||v|| (v rotated and rounded, the output turned
+  // back).
+  const auto max_norm = [](const Tensor& x) {
+    const std::int64_t d = x.size(3);
+    double most = 0.0;
+    for (std::int64_t row = 0; row < x.numel() / d; ++row) {
+      double sum = 0.0;
+      for (std::int64_t i = 0; i < d; ++i) sum += std::pow(x.data<float>()[row * d + i], 2);
+      most = std::max(most, std::sqrt(sum));
+    }
+    return most;
+  };
+  const double g = 8 * std::ldexp(1.0, -24);
+  const double delta = 3 * g * max_norm(s.q) * max_norm(s.k) / 8.0;
+  const double rounding = std::expm1(2 * delta) * max_abs(s.v) + 3 * g * max_norm(s.v);
+  EXPECT_LE(max_abs_diff(decode_all(s.q, s.k, s.v, rotated_f32, 3), exact), rounding);
+  for (const KvStorage storage : {KvStorage::q8_0, KvStorage::q4_0}) {
+    KvCache flat(config(s, storage, storage, 0));
+    const double err_flat = max_abs_diff(decode_all(s.q, s.k, s.v, flat, 3), exact);
+    c.key_storage = c.value_storage = storage;
+    KvCache turned(c);
+    const Tensor out = decode_all(s.q, s.k, s.v, turned, 3);
+    const double err_rotated = max_abs_diff(out, exact);
+    std::printf("[ quantized ] %s with outlier channels: max error %.3g, rotated %.3g\n",
+                qkv::storage_name(storage), err_flat, err_rotated);
+    EXPECT_LT(err_rotated, err_flat / 2) << qkv::storage_name(storage);
+    // The reference reads the same cache (un-rotating its rows in double).
+    qkv::AttentionOptions ref;
+    ref.backend = qkv::Backend::reference;
+    const Tensor q_last = qkv::to_dtype(s.q.view().slice(1, 119, 1), DType::f32);
+    EXPECT_LE(max_abs_diff(qkv::decode_attention(q_last, turned).out,
+                           qkv::decode_attention(q_last, turned, ref).out),
+              rounding);
+  }
+  c.head_dim = 48;
+  c.value_dim = 24;
+  c.key_storage = c.value_storage = KvStorage::f32;
+  const auto e = error_of([&] { KvCache cache(c); });
+  ASSERT_TRUE(e.has_value());
+  expect_contains(e->what(),
+                  {"config.rotate: the Hadamard transform needs head_dim a power of two, got 48",
+                   "config.rotate: the Hadamard transform needs value_dim a power of two, got 24"});
+}
+
 TEST(QuantizedCache, BadConfigsThrowNamingTheField) {
   KvCacheConfig c;
   c.head_dim = 48;

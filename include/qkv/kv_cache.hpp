@@ -42,6 +42,11 @@ struct KvCacheConfig {
   std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * ceil(capacity / page_size)
   KvStorage key_storage = KvStorage::automatic;    // keys' storage; quantized: Dk % 32 == 0
   KvStorage value_storage = KvStorage::automatic;  // values'; quantized: Dv % 32 == 0
+  // Store keys and values rotated by the normalized Walsh-Hadamard transform
+  // of the head dim (after RoPE), which decoding undoes exactly in exact
+  // arithmetic: spreads outlier channels before quantizing (llama.cpp's
+  // rotation). Dk and Dv powers of two.
+  bool rotate = false;
 };
 
 class KvCache {

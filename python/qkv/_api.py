@@ -292,7 +292,7 @@ class KvCache(_qkv.KvCache):
     """A key/value cache for decoding (qkv/kv_cache.hpp).
 
     KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity, dtype="float32",
-    page_size=0, num_pages=0, k_dtype=None, v_dtype=None): contiguous
+    page_size=0, num_pages=0, k_dtype=None, v_dtype=None, rotate=False): contiguous
     (page_size 0: each sequence owns `capacity` slots) or paged (a pool of
     num_pages pages of page_size tokens; 0 pages = enough for every sequence
     at capacity). Storage dtype "float32", "bfloat16" or "float16";
@@ -300,7 +300,10 @@ class KvCache(_qkv.KvCache):
     ggml's block formats "q8_0" (8.5 bits per value) and "q4_0" (4.5 bits),
     bit-compatible with llama.cpp's --cache-type-k/-v, quantized on append
     (head_dim, value_dim multiples of 32; see docs/numerics.md for the error).
-    Properties k_dtype, v_dtype name the storage; key_page(b, i) and
+    rotate=True stores keys and values rotated by the normalized Hadamard
+    transform of the head dim (powers of two), which decoding undoes: it
+    spreads outlier channels before quantizing, as llama.cpp's rotation.
+    Properties k_dtype, v_dtype and rotate show the storage; key_page(b, i) and
     value_page(b, i) return a page's stored bytes.
 
     append(k, v, counts=None, rope=False, rope_base=10000.0,

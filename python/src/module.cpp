@@ -227,7 +227,8 @@ NB_MODULE(_qkv, m) {
           [](KvCache* self, std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim,
              std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
              std::int64_t page_size, std::int64_t num_pages,
-             const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype) {
+             const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype,
+             bool rotate) {
             KvCacheConfig c;
             c.batch = batch;
             c.kv_heads = kv_heads;
@@ -239,11 +240,12 @@ NB_MODULE(_qkv, m) {
             c.num_pages = num_pages;
             c.key_storage = kv_storage(k_dtype, "k_dtype");
             c.value_storage = kv_storage(v_dtype, "v_dtype");
+            c.rotate = rotate;
             new (self) KvCache(c);
           },
           "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a,
           "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0,
-          "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none())
+          "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none(), "rotate"_a = false)
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
@@ -253,6 +255,7 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("page_size", &KvCache::page_size)
       .def_prop_ro("free_pages", &KvCache::free_pages)
       .def_prop_ro("k_dtype", [](const KvCache& c) { return kv_storage_name(c.key_storage()); })
+      .def_prop_ro("rotate", [](const KvCache& c) { return c.config().rotate; })
       .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
       .def(
           "key_page",

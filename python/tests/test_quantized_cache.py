@@ -83,3 +83,30 @@ def test_bad_arguments_raise_value_error_naming_them():
                                          r"at \[0, 0, 0, 3\]"):
         cache.append(k, rand(1, 1, 1, 32))
     assert cache.lengths() == [0]
+
+
+def test_rotation_spreads_an_outlier_channel():
+    # rotate=True: keys and values stored rotated by the Hadamard transform;
+    # decoding turns the result back. Float32 storage gives the plain result;
+    # q4_0 with an outlier channel moves less from it than without rotation.
+    b, n, hq, hkv, d = 1, 64, 4, 1, 64
+    k, v, q = rand(b, n, hkv, d), rand(b, n, hkv, d), rand(b, 1, hq, d)
+    k[..., 7] *= 25
+    v[..., 2] *= 25
+
+    def decode(**kwargs):
+        cache = qkv.KvCache(b, hkv, d, capacity=n, **kwargs)
+        cache.append(k, v)
+        return qkv.decode_attention(q, cache)
+
+    plain = decode()
+    ref, _, _ = reference.attention(q, k, v, causal=True)
+    tol = reference.tolerance(q, k, v, np.float32)
+    assert np.abs(decode(rotate=True) - ref).max() <= 64 * tol
+    assert qkv.KvCache(1, 1, 32, capacity=1, rotate=True).rotate
+    flat = np.abs(decode(k_dtype="q4_0", v_dtype="q4_0") - plain).max()
+    turned = np.abs(decode(k_dtype="q4_0", v_dtype="q4_0", rotate=True) - plain).max()
+    assert turned < flat / 2, (turned, flat)
+    with pytest.raises(ValueError, match="config.rotate: the Hadamard transform needs head_dim a "
+                                         "power of two, got 48"):
+        qkv.KvCache(1, 1, 48, capacity=4, rotate=True)

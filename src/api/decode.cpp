@@ -12,6 +12,7 @@
 #include "cache/view.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
+#include "core/hadamard.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 
@@ -104,7 +105,8 @@ DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorVi
 }
 
 // The reference: the cache gathered into dense f32 [B, Lmax, Hkv, D] tensors
-// (every storage widens to f32 exactly: cache/formats.hpp) and
+// (every storage widens to f32 exactly: cache/formats.hpp; a rotated cache's
+// rows turned back by the Hadamard transform, in double) and
 // qkv::attention with causal bottom-right alignment and the cache's lengths
 // as key lengths, which is exactly decode's definition.
 void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse,
@@ -133,6 +135,15 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
       }
     }
   }
+  Tensor k64 = to_dtype(k, DType::f64), v64 = to_dtype(v, DType::f64);
+  if (c.rotate) {
+    auto* k_rows = static_cast<double*>(k64.view().data());
+    auto* v_rows = static_cast<double*>(v64.view().data());
+    for (std::int64_t row = 0; row < c.batch * longest * hkv; ++row) {
+      detail::hadamard(k_rows + row * dk, dk);
+      detail::hadamard(v_rows + row * dv, dv);
+    }
+  }
   AttentionOptions opt = o;
   opt.causal = true;
   opt.align = Align::bottom_right;
@@ -142,8 +153,7 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   // into out.
   Tensor out64(DType::f64, out.size_span());
   Tensor lse64(DType::f64, {q.size(0), q.size(2), q.size(1)});
-  attention_into(to_dtype(q, DType::f64), to_dtype(k, DType::f64), to_dtype(v, DType::f64),
-                 {out64, lse64, {}}, opt);
+  attention_into(to_dtype(q, DType::f64), k64, v64, {out64, lse64, {}}, opt);
   detail::for_each_index(out.sizes(), 4, [&](const Shape& i) {
     out.set({i[0], i[1], i[2], i[3]}, out64.get({i[0], i[1], i[2], i[3]}));
   });
@@ -160,6 +170,7 @@ cache::KvView view_of(const KvCache& kv) {
   cache::KvView view;
   view.key_storage = kv.key_storage();
   view.value_storage = kv.value_storage();
+  view.rotated = c.rotate;
   view.batch = c.batch;
   view.kv_heads = c.kv_heads;
   view.head_dim = c.head_dim;

@@ -24,6 +24,7 @@
 #include "cache/formats.hpp"
 #include "core/checks.hpp"
 #include "core/elements.hpp"
+#include "core/hadamard.hpp"
 #include "core/positional.hpp"
 #include "core/rows.hpp"
 // Highway before the traits, which are per target (here: the static one).
@@ -67,6 +68,7 @@ struct Pool {
   std::vector<std::vector<std::int64_t>>& tables;
   std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
   KvStorage key_storage, value_storage;
+  bool hadamard;                                // KvCacheConfig::rotate
   std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
   std::byte* keys;
   std::byte* values;
@@ -133,10 +135,13 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
   const CopyRow copy_key = writer_for(pool.key_storage, k.dtype());
   const CopyRow copy_value = writer_for(pool.value_storage, v.dtype());
   const LoadRow load_key = load_row_for(k.dtype());
+  const LoadRow load_value = load_row_for(v.dtype());
   const CopyRow store_key = writer_for(pool.key_storage, DType::f64);
+  const CopyRow store_value = writer_for(pool.value_storage, DType::f64);
   std::optional<Rotation> rotation;
   if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
-  std::vector<double> row(rope != nullptr ? static_cast<std::size_t>(pool.head_dim) : 0);
+  // Rows rotated (RoPE, Hadamard) in double on the way in.
+  std::vector<double> row(static_cast<std::size_t>(std::max(pool.head_dim, pool.value_dim)));
   const std::int64_t key_head = pool.key_row_bytes / pool.kv_heads;  // bytes per head's row
   const std::int64_t value_head = pool.value_row_bytes / pool.kv_heads;
 
@@ -159,16 +164,23 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
       for (std::int64_t h = 0; h < pool.kv_heads; ++h) {
         const std::byte* key_src =
             at(k.data(), k.dtype(), bi * k.stride(0) + t * k.stride(1) + h * k.stride(2));
-        if (rotation) {
+        if (rotation || pool.hadamard) {
           load_key(key_src, k.stride(3), row.data(), pool.head_dim);
-          rotation->rotate(row.data());
+          if (rotation) rotation->rotate(row.data());
+          if (pool.hadamard) detail::hadamard(row.data(), pool.head_dim);
           store_key(row.data(), 1, key_dst + h * key_head, pool.head_dim);
         } else {
           copy_key(key_src, k.stride(3), key_dst + h * key_head, pool.head_dim);
         }
         const std::byte* value_src =
             at(v.data(), v.dtype(), bi * v.stride(0) + t * v.stride(1) + h * v.stride(2));
-        copy_value(value_src, v.stride(3), value_dst + h * value_head, pool.value_dim);
+        if (pool.hadamard) {
+          load_value(value_src, v.stride(3), row.data(), pool.value_dim);
+          detail::hadamard(row.data(), pool.value_dim);
+          store_value(row.data(), 1, value_dst + h * value_head, pool.value_dim);
+        } else {
+          copy_value(value_src, v.stride(3), value_dst + h * value_head, pool.value_dim);
+        }
       }
     }
     pool.lengths[b] += counts[b];
@@ -188,28 +200,42 @@ double storage_limit(KvStorage storage) {
 }
 
 // The rows an append writes into a quantized storage are finite and within
-// its range (keys rotated by RoPE may grow by up to sqrt(2), so the limit of
-// their inputs is the storage's divided by sqrt(2)). `name` is [B, n, Hkv, D].
+// its range. Keys rotated by RoPE may grow by up to sqrt(2), so the limit of
+// their inputs is the storage's divided by sqrt(2); a row rotated by the
+// Hadamard transform (orthogonal) has no value above its Euclidean norm, to
+// which the limit then applies. `name` is [B, n, Hkv, D].
 void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, const Counts& counts,
-                       bool rotated, Reasons& r) {
+                       bool rope, bool hadamard, Reasons& r) {
   if (!cache::is_quantized(storage)) return;
-  const double limit = storage_limit(storage) / (rotated ? std::sqrt(2.0) : 1.0);
+  const double limit = storage_limit(storage);
+  const double value_limit = hadamard ? HUGE_VAL : rope ? limit / std::sqrt(2.0) : limit;
   const LoadRow load = load_row_for(t.dtype());
   std::vector<double> row(static_cast<std::size_t>(t.size(3)));
   for (std::int64_t b = 0; b < t.size(0); ++b) {
     for (std::int64_t i = 0; i < counts[static_cast<std::size_t>(b)]; ++i) {
       for (std::int64_t h = 0; h < t.size(2); ++h) {
+        const std::string at_row = to_string(b) + ", " + to_string(i) + ", " + to_string(h);
         load(at(t.data(), t.dtype(), b * t.stride(0) + i * t.stride(1) + h * t.stride(2)),
              t.stride(3), row.data(), t.size(3));
+        double norm2 = 0.0;
         for (std::int64_t x = 0; x < t.size(3); ++x) {
-          if (!(std::fabs(row[static_cast<std::size_t>(x)]) <= limit)) {
+          const double value = row[static_cast<std::size_t>(x)];
+          norm2 += value * value;
+          if (!(std::fabs(value) <= value_limit)) {
             r.push_back(std::string(name) + ": " + storage_name(storage) +
                         " storage holds finite values of magnitude <= " + number(limit) +
-                        (rotated ? " (before RoPE)" : "") + ", got " +
-                        number(row[static_cast<std::size_t>(x)]) + " at [" + to_string(b) + ", " +
-                        to_string(i) + ", " + to_string(h) + ", " + to_string(x) + "]");
+                        (rope && !hadamard ? " (before RoPE: " + number(value_limit) + ")" : "") +
+                        ", got " + number(value) + " at [" + at_row + ", " + to_string(x) + "]");
             return;
           }
+        }
+        if (hadamard && !(std::sqrt(norm2) <= limit)) {
+          r.push_back(std::string(name) + ": " + storage_name(storage) +
+                      " storage holds finite values of magnitude <= " + number(limit) +
+                      ", which a row rotated by the Hadamard transform reaches when its norm "
+                      "does: got norm " +
+                      number(std::sqrt(norm2)) + " for row [" + at_row + "]");
+          return;
         }
       }
     }
@@ -251,6 +277,16 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                   to_string(dim));
     }
   };
+  if (c.rotate) {
+    for (const auto& [field, dim] :
+         {std::pair{"head_dim", c.head_dim},
+          std::pair{"value_dim", c.value_dim == 0 ? c.head_dim : c.value_dim}}) {
+      if (dim >= 1 && !detail::is_power_of_two(dim)) {
+        r.push_back(std::string("config.rotate: the Hadamard transform needs ") + field +
+                    " a power of two, got " + to_string(dim));
+      }
+    }
+  }
   check_storage("key_storage", c.key_storage, c.head_dim, "head_dim");
   check_storage("value_storage", c.value_storage, c.value_dim == 0 ? c.head_dim : c.value_dim,
                 c.value_dim == 0 ? "value_dim (0: head_dim)" : "value_dim");
@@ -414,25 +450,16 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
       }
     }
   }
-  Pool pool{config_.capacity,
-            page_size(),
-            hkv,
-            config_.head_dim,
-            value_dim(),
-            lengths_,
-            tables_,
-            free_,
-            key_storage(),
-            value_storage(),
-            key_row_bytes_,
-            value_row_bytes_,
-            bytes_of(keys_),
-            bytes_of(values_)};
+  Pool pool{config_.capacity, page_size(),     hkv,
+            config_.head_dim, value_dim(),     lengths_,
+            tables_,          free_,           key_storage(),
+            value_storage(),  config_.rotate,  key_row_bytes_,
+            value_row_bytes_, bytes_of(keys_), bytes_of(values_)};
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
   if (r.empty()) {
-    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, r);
-    check_quantizable("v_new", v_new, pool.value_storage, rows, false, r);
+    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
+    check_quantizable("v_new", v_new, pool.value_storage, rows, false, pool.hadamard, r);
   }
   throw_if(r);
   write(pool, k_new, v_new, rows, rope);
@@ -448,20 +475,11 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   const std::int64_t n = check_rows(*this, false, k_new, v_new, rope, r);
   // As a batch append in which only sequence b gets rows: the inputs repeat
   // over the batch (stride 0) and every other count is 0.
-  Pool pool{config_.capacity,
-            page_size(),
-            hkv,
-            config_.head_dim,
-            value_dim(),
-            lengths_,
-            tables_,
-            free_,
-            key_storage(),
-            value_storage(),
-            key_row_bytes_,
-            value_row_bytes_,
-            bytes_of(keys_),
-            bytes_of(values_)};
+  Pool pool{config_.capacity, page_size(),     hkv,
+            config_.head_dim, value_dim(),     lengths_,
+            tables_,          free_,           key_storage(),
+            value_storage(),  config_.rotate,  key_row_bytes_,
+            value_row_bytes_, bytes_of(keys_), bytes_of(values_)};
   const Counts rows{.rows = n, .only = b};
   if (b_ok && n >= 0) check_room("append_to", pool, rows, r);
   throw_if(r);
@@ -469,8 +487,8 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
                            {0, k_new.stride(0), k_new.stride(1), k_new.stride(2)});
   const ConstTensorView v4(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
                            {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
-  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, r);
-  check_quantizable("v_new", v4, pool.value_storage, rows, false, r);
+  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
+  check_quantizable("v_new", v4, pool.value_storage, rows, false, pool.hadamard, r);
   throw_if(r);
   write(pool, k4, v4, rows, rope);
 }

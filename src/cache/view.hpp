@@ -17,6 +17,9 @@ namespace qkv::cache {
 struct KvView {
   KvStorage key_storage = KvStorage::f32;    // which StorageTraits reads the keys
   KvStorage value_storage = KvStorage::f32;  // and the values
+  // Keys and values stored rotated by the Hadamard transform (core/hadamard.hpp):
+  // the kernel rotates the queries and un-rotates the outputs.
+  bool rotated = false;
   std::int64_t batch = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
   // Tokens per page (contiguous: capacity). A page holds page_size token
   // rows, keys [Hkv, Dk] and values [Hkv, Dv] each, contiguous.

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cache/storage-inl.h"
+#include "core/hadamard.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
@@ -565,6 +566,7 @@ inline void DecodeMerge(DecodePlan& plan) {
                                               plan.partial_o.data() + slot * plan.dv_pad};
           },
           row.get(), detail::sink_of<float>(sinks.data(), sinks.size(), h));
+      if (plan.cache->rotated) detail::hadamard(row.get(), plan.dv);  // back from the rotation
       StoreViewRow(row.get(), plan.dv, plan.out, b, t, h);
       if (plan.lse.defined()) plan.lse.set({b, h, t}, lse);
     }
@@ -595,6 +597,7 @@ inline void DecodeImpl(DecodePlan& plan) {
       const std::int64_t h = r / plan.n, t = r % plan.n;
       float* row = q.get() + (b * plan.rows + r) * dk_pad;
       LoadStridedRowF32(At(plan.q, b, t, h), plan.q.dtype(), plan.dk, plan.q.stride(3), row);
+      if (plan.cache->rotated) detail::hadamard(row, plan.dk);  // as the cached keys
       for (std::int64_t c = 0; c < plan.dk; ++c) row[c] *= plan.scale;
     }
   }

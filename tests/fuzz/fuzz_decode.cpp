@@ -4,7 +4,7 @@
 // their options (scale, softcap, ALiBi, window, backends, and options decode
 // must refuse), apply_rope and apply_rope_backward, with strided and bad
 // views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
-// q4_0).
+// q4_0), plain or rotated by the Hadamard transform.
 //
 // Checks: only qkv::Error escapes; a rejected append or release leaves every
 // length, block table, free page count and stored row as it was; a
@@ -150,6 +150,14 @@ bool fuzz_config(Input& in, KvCacheConfig& c) {
     }
     if (in.one_in(20)) c.value_storage = static_cast<KvStorage>(in.range(6, 255));
   }
+  // The Hadamard rotation, mostly with the powers of two it needs.
+  if (in.one_in(4)) {
+    c.rotate = true;
+    if (!in.one_in(8)) {
+      c.head_dim = in.pick(kBlockDims);
+      c.value_dim = in.coin() ? 0 : in.pick(kBlockDims);
+    }
+  }
   // Bytes the storage would take, in 128 bits; valid configurations above
   // 64 MiB are skipped (they are not errors, only slow).
   const auto positive = [](std::int64_t x) {
@@ -247,7 +255,7 @@ void fuzz_append(Input& in, KvCache& cache) {
     return;
   }
   require(!must_reject, "KvCache::append accepted a call it must reject");
-  if (with_rope) return;
+  if (with_rope || cfg.rotate) return;  // rows rotated on the way in
   // Each appended row is the input's row rounded once to the storage dtype.
   const CacheState after(cache);
   for (std::int64_t b = 0; b < cfg.batch; ++b) {
@@ -580,7 +588,10 @@ void fuzz_decode(Input& in, KvCache& cache) {
   const qkv::AttentionResult r2 = qkv::decode_attention(q, cache, again);
   require(qkv::fuzz::same_values(o, r2.out) && (!l.defined() || qkv::fuzz::same_values(l, r2.lse)),
           "decode differs for another thread count or the allocating call");
-  if (!comparable || dtype == DType::f64) return;
+  // A rotated cache's rows are what the kernel reads after rotating the
+  // queries, not the keys the reference would take (the unit tests compare
+  // those through the reference decode, which un-rotates in double).
+  if (!comparable || dtype == DType::f64 || cfg.rotate) return;
   SequenceCheck acc;
   for (std::int64_t b = 0; b < cfg.batch; ++b) {
     check_sequence(cache, state, b, q, o, l, opt, acc);
