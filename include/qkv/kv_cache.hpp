@@ -18,7 +18,6 @@
 // t % page_size (contiguous: one page of `capacity` tokens per sequence).
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -36,8 +35,7 @@ struct KvCacheConfig {
   std::int64_t head_dim = 0;   // Dk (>= 1)
   std::int64_t value_dim = 0;  // Dv; 0 = head_dim
   std::int64_t capacity = 0;   // most tokens a sequence may hold (>= 1)
-  DType dtype =
-      DType::f32;  // storage: f32, bf16 or f16 (of keys and values whose *_storage is automatic)
+  DType dtype = DType::f32;    // f32, bf16 or f16: the storage where *_storage is automatic
   std::int64_t page_size = 0;  // 0 = contiguous; else tokens per page (paged)
   std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * ceil(capacity / page_size)
   KvStorage key_storage = KvStorage::automatic;    // keys' storage; quantized: Dk % 32 == 0

@@ -12,7 +12,6 @@
 //                       element, or a block of kBlock elements
 //   kBlock              elements per Stored (rows of a head start at a
 //                       Stored: the cache's D is a multiple of kBlock)
-//   kStorage            the KvStorage it is
 //   kStreamAhead        the kernel's prefetching: true streams the next block's
 //                       token rows during this block's passes (LineStream);
 //                       false fetches keys two tokens ahead and values inside
@@ -66,7 +65,6 @@ template <>
 struct StorageTraits<float> {
   using Stored = float;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr KvStorage kStorage = KvStorage::f32;
   static constexpr bool kStreamAhead = false;
 
   template <class S>
@@ -85,7 +83,6 @@ template <>
 struct StorageTraits<hwy::bfloat16_t> {
   using Stored = hwy::bfloat16_t;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr KvStorage kStorage = KvStorage::bf16;
   static constexpr bool kStreamAhead = true;
 
   template <class S>
@@ -112,7 +109,6 @@ template <>
 struct StorageTraits<hwy::float16_t> {
   using Stored = hwy::float16_t;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr KvStorage kStorage = KvStorage::f16;
   static constexpr bool kStreamAhead = true;
 
   template <class S>
@@ -174,8 +170,6 @@ struct BlockStorage {
 template <>
 struct StorageTraits<BlockQ8_0>
     : BlockStorage<StorageTraits<BlockQ8_0>, BlockQ8_0, &quantize_q8_0> {
-  static constexpr KvStorage kStorage = KvStorage::q8_0;
-
   template <class D>
   static HWY_INLINE hn::Vec<D> LoadUnscaled(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
     const hn::Rebind<std::int8_t, D> d8;
@@ -194,7 +188,6 @@ struct StorageTraits<BlockQ8_0>
 template <>
 struct StorageTraits<BlockQ4_0>
     : BlockStorage<StorageTraits<BlockQ4_0>, BlockQ4_0, &quantize_q4_0> {
-  static constexpr KvStorage kStorage = KvStorage::q4_0;
   static constexpr std::int64_t kHalf = kBlock / 2;
 
   template <class D>

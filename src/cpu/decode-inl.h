@@ -4,9 +4,10 @@
 // and sum, and accumulates p V, widening the stored entries to f32 in
 // registers. The cache comes as a plain view (cache/view.hpp) and its rows
 // are read through the storage traits (cache/storage-inl.h): the kernel is
-// one template over the keys' and the values' traits, whatever they store. A work item takes all KV
-// heads of a range of tokens, so it reads the cache sequentially, token row after token row: one KV
-// head alone would read D of every Hkv * D elements, a new page per key, and leave the hardware
+// one template over the keys' and the values' traits, whatever they store.
+// A work item takes all KV heads of a range of tokens, so it reads the cache
+// sequentially, token row after token row: one KV head alone would read D of
+// every Hkv * D elements, a new page per key, and leave the hardware
 // prefetchers and the TLB behind.
 #if defined(QKV_CPU_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_DECODE_INL_H_
