@@ -51,4 +51,6 @@ if [[ "${1:-}" == "--python" ]]; then
     fi
   fi
   .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    -r python/requirements-nodeps.txt
 fi

@@ -27,6 +27,10 @@ In training (a tensor that requires grad) the call goes through qkv's
 registered operator, whose backward is qkv's fused backward; weights asked
 for there come from a second call, without gradient and before dropout
 ("eager" returns them after dropout, differentiable).
+
+QkvCache(config, max_cache_len, k_dtype=...) is a Transformers Cache whose
+keys and values live in qkv.KvCache objects (float32, bfloat16, float16,
+q8_0, q4_0); with it, the attention function decodes from them in place.
 See docs/models.md.
 """
 
@@ -39,6 +43,11 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import _api, _ops
+
+try:  # the cache classes need Transformers; the attention function does not
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover - Transformers absent
+    Cache, CacheLayerMixin = object, object
 
 NAME = "qkv"
 
@@ -170,6 +179,10 @@ def attention_forward(
     Learned attention sinks (gpt-oss passes them as s_aux, [Hq]) join each
     row's softmax denominator."""
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    layer = getattr(key, "_qkv_cache_layer", None)
+    if layer is not None:  # the keys and values wait in a QkvCache layer
+        return layer.attend(query, attention_mask, scaling, softcap, sliding_window, sinks,
+                            _wants_weights(kwargs))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     nq = query.shape[2]
     mask = attention_mask
@@ -240,3 +253,174 @@ def _plain(q, k, v, options: dict, scale, cap: float, probs: bool):
             sinks=None if options["sinks"] is None else options["sinks"].detach().float())
     r = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=probs)
     return (r.out, r.probs) if probs else (r, None)
+
+
+# Queries per decode_attention call (its limit): longer inputs (the prompt)
+# are appended and attended in chunks of this many tokens.
+_DECODE_CHUNK = 16
+
+
+class QkvCacheLayer(CacheLayerMixin):
+    """One attention layer's keys and values in a qkv.KvCache (made at the
+    first update, from the states' shapes). update() keeps the new states
+    aside and returns them marked; qkv's attention function then appends
+    them and decodes from the cache, up to 16 queries per call."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, max_cache_len: int, storage: dict):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.storage = storage  # KvCache keyword arguments: k_dtype, v_dtype, page_size, rotate
+        self.cache: Optional[_api.KvCache] = None
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.cache = _api.KvCache(b, h, d, value_dim=value_states.shape[-1],
+                                  capacity=self.max_cache_len, **self.storage)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keeps key_states [B, Hkv, n, Dk] and value_states [B, Hkv, n, Dv]
+        for the attention call that follows; returns them, marked."""
+        if self.pending is not None:
+            raise ValueError(
+                "QkvCache: the previous keys and values of this layer were never attended; "
+                "a QkvCache is read by qkv's attention only (attn_implementation=\"qkv\")")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, n, d = key_states.shape
+        expected = (self.cache.batch, self.cache.kv_heads, self.cache.head_dim)
+        if (b, h, d) != expected:
+            raise ValueError(f"QkvCache: key_states [B, Hkv, n, Dk] expected B, Hkv, Dk = "
+                             f"{expected}, got {(b, h, d)}")
+        if self.get_seq_length() + n > self.max_cache_len:
+            raise ValueError(f"QkvCache: max_cache_len {self.max_cache_len} exceeded: "
+                             f"{self.get_seq_length()} tokens held, {n} more given")
+        self.pending = (key_states, value_states)
+        key_states._qkv_cache_layer = self
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, mask: Optional[torch.Tensor], scaling, softcap,
+               sliding_window: Optional[int], sinks, wants_weights: bool) -> Tuple[torch.Tensor, None]:
+        """Appends the pending states and decodes query [B, Hq, n, Dk]
+        against the cache (the queries are the n newest tokens, causal);
+        returns (out [B, n, Hq, Dv], None)."""
+        k, v = self.pending
+        n = query.shape[2]
+        if k.shape[2] != n:
+            raise ValueError(f"QkvCache: query has {n} tokens, the keys given to the cache "
+                             f"{k.shape[2]}")
+        if wants_weights:
+            raise ValueError("QkvCache: output_attentions is not supported (decoding returns no "
+                             "probabilities); use Transformers' DynamicCache for them")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, k, v)):
+            raise ValueError("QkvCache: decoding only (no gradient); train without a cache")
+        window = _cache_window(mask, self.get_seq_length(), n, sliding_window)
+        self.pending = None
+        options = dict(scale=None if scaling is None else float(scaling),
+                       softcap=float(softcap) if softcap else 0.0,
+                       sinks=None if sinks is None else sinks.detach().float())
+        if window >= 0:
+            options["window"] = (window, -1)
+        q = query.detach().transpose(1, 2)
+        k, v = k.detach().transpose(1, 2), v.detach().transpose(1, 2)
+        outs = []
+        for s in range(0, n, _DECODE_CHUNK):
+            e = min(n, s + _DECODE_CHUNK)
+            self.cache.append(k[:, s:e].contiguous(), v[:, s:e].contiguous())
+            outs.append(_api.decode_attention(q[:, s:e].contiguous(), self.cache, **options))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        held = 0 if self.cache is None else self.cache.length(0)
+        return held + (0 if self.pending is None else self.pending[0].shape[2])
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.cache, self.pending, self.is_initialized = None, None, False
+
+    def offload(self):  # the cache is in host memory already
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("QkvCache: beam search (reorder_cache) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            raise ValueError("QkvCache: batch_repeat_interleave on a filled cache is not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            raise ValueError("QkvCache: batch_select_indices on a filled cache is not supported")
+
+
+def _cache_window(mask: Optional[torch.Tensor], nk: int, nq: int,
+                  sliding_window: Optional[int]) -> int:
+    """The left window size (-1: none) of the mask a cached call gets, which
+    must be the causal band of the n newest queries over all nk keys of
+    every sequence (no padding); anything else is refused."""
+    if mask is None:
+        return -1
+    found = None
+    if mask.dtype == torch.bool and mask.shape[-1] == nk:
+        found = _structure(mask, True, sliding_window)
+    if found is None or found.key_lengths is not None or (found.top_left and nq != nk):
+        raise ValueError(
+            "QkvCache: attention_mask must be causal over every cached token (no padding); "
+            f"got a {mask.dtype} mask of shape {list(mask.shape)} that is not")
+    return found.window_left
+
+
+class QkvCache(Cache):
+    """A Transformers cache whose keys and values live in qkv.KvCache
+    objects, one per layer, in any of their storages, e.g. ggml's q8_0 and
+    q4_0 blocks; qkv's attention (attn_implementation="qkv") decodes from
+    them directly, nothing is dequantized in between.
+
+        cache = QkvCache(model.config, max_cache_len=1024, k_dtype="q8_0", v_dtype="q8_0")
+        model.generate(**inputs, past_key_values=cache)
+
+    max_cache_len: the most tokens a sequence may hold (prompt included).
+    k_dtype, v_dtype: "float32", "bfloat16", "float16", "q8_0" or "q4_0"
+    (v_dtype None: k_dtype). page_size, rotate: as qkv.KvCache's. Every
+    attention reads the cache, the prompt's included (appended 16 tokens at a
+    time), as llama.cpp's caches do. The batch's sequences must be equally
+    long (no padding mask); greedy or sampled decoding, not beam search;
+    decoder layers with full or sliding-window attention (the window is
+    applied, all tokens are kept)."""
+
+    def __init__(self, config, max_cache_len: int, *, k_dtype: str = "float32",
+                 v_dtype: Optional[str] = None, page_size: int = 0, rotate: bool = False):
+        if Cache is object:
+            raise ImportError("QkvCache needs the transformers package")
+        text = config.get_text_config(decoder=True)
+        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if not kinds <= {"full_attention", "sliding_attention"}:
+            raise ValueError("QkvCache: layer_types expected full_attention or "
+                             f"sliding_attention, got {sorted(kinds)}")
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) \
+                or max_cache_len < 1:
+            raise ValueError(f"QkvCache: max_cache_len expected an int >= 1, got {max_cache_len!r}")
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        storage = dict(k_dtype=k_dtype, v_dtype=v_dtype or k_dtype, page_size=page_size,
+                       rotate=rotate)
+        # A one-token cache of the model's shape checks the storage now.
+        _api.KvCache(1, getattr(text, "num_key_value_heads", None) or heads, head_dim,
+                     capacity=1, **storage)
+        super().__init__(layers=[QkvCacheLayer(max_cache_len, storage)
+                                 for _ in range(text.num_hidden_layers)])

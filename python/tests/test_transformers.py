@@ -282,3 +282,106 @@ def test_sinks_change_the_result_and_are_checked():
     assert not torch.allclose(plain, sunk)
     with pytest.raises(ValueError, match="sinks"):
         qt.attention_forward(module, q, q, q, None, s_aux=torch.zeros(3))
+
+
+# QkvCache: a Transformers cache held in qkv.KvCache objects, decoded by
+# qkv's attention function.
+
+def _llama32(layers=2):
+    """A Llama whose head dim (32) quantized caches take."""
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128)
+
+
+def _cached_logits(model, ids, cache, step):
+    """Logits of ids fed through `cache` `step` tokens at a time."""
+    return torch.cat([model(input_ids=ids[:, s:s + step], cache=cache).logits
+                      for s in range(0, ids.shape[1], step)], dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("step", [24, 5, 1])
+def test_qkv_cache_forward_within_error_model(family, step):
+    # 24 tokens at once: appended and decoded in chunks of 16 queries; 5 and
+    # 1: decoding proper, across Mistral's window of 8 and with gpt-oss's sinks.
+    cls, config = FAMILIES[family]()
+    ids, am = _inputs("none")
+    with torch.no_grad():
+        ref = _output(_model(cls, config, "float64_reference", torch.float64), ids, am)
+        stock = _output(_model(cls, config, "eager"), ids, am)
+        model = _model(cls, config, "qkv")  # last: the models share their config
+        cache = qt.QkvCache(model.config, max_cache_len=ids.shape[1])
+        got = _cached_logits(model, ids, cache, step)
+    assert cache.get_seq_length() == ids.shape[1] == cache.layers[1].cache.length(0)
+    _within_error_model(got, stock, ref, am.bool())
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
+def test_qkv_cache_greedy_generation_equals_eager(family):
+    cls, config = FAMILIES[family]()
+    ids, am = _inputs("none")
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=40, min_new_tokens=40,
+              do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = _model(cls, config, "eager").generate(**kw)
+        model = _model(cls, config, "qkv")
+        cache = qt.QkvCache(model.config, max_cache_len=64)
+        got = model.generate(**kw, cache=cache)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == ids.shape[1] + 40 - 1  # the last token is not fed back
+
+
+@pytest.mark.parametrize("storage", ["q8_0", "q4_0"])
+def test_qkv_cache_stores_ggml_blocks(storage):
+    # Layer 0's keys and values do not depend on any attention: the quantized
+    # cache must hold exactly ggml's quantization of what the float32 cache holds.
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    np = pytest.importorskip("numpy")
+    cls, config = _llama32()
+    ids, _ = _inputs("none")
+    model = _model(cls, config, "qkv")
+    layers = {}
+    with torch.no_grad():
+        for kind in ("float32", storage):
+            cache = qt.QkvCache(model.config, max_cache_len=32, k_dtype=kind)
+            _cached_logits(model, ids[:1], cache, 7)
+            layers[kind] = cache.layers[0].cache
+    n, hkv, d = ids.shape[1], config.num_key_value_heads, 32
+    kind = getattr(GGMLQuantizationType, storage.upper())
+    for page in ("key_page", "value_page"):
+        f32 = np.frombuffer(getattr(layers["float32"], page)(0, 0), np.float32)
+        want = quants.quantize(f32[:n * hkv * d].reshape(n * hkv, d), kind).tobytes()
+        got = getattr(layers[storage], page)(0, 0)[:len(want)]
+        assert got == want, page
+    assert layers[storage].k_dtype == layers[storage].v_dtype == storage
+
+
+def test_qkv_cache_refuses_what_it_cannot_do():
+    cls, config = _llama32()
+    ids, am = _inputs("left")
+    model = _model(cls, config, "qkv")
+    with pytest.raises(ValueError, match="k_dtype"):
+        qt.QkvCache(model.config, 32, k_dtype="int8")
+    with pytest.raises(ValueError, match="head_dim"):
+        qt.QkvCache(FAMILIES["llama"]()[1], 32, k_dtype="q8_0")  # head dim 16
+    with pytest.raises(ValueError, match="max_cache_len"):
+        qt.QkvCache(model.config, 0)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attention_mask"):  # left padding
+            model(input_ids=ids, attention_mask=am, cache=qt.QkvCache(model.config, 32))
+        with pytest.raises(ValueError, match="max_cache_len 20"):
+            model(input_ids=ids, cache=qt.QkvCache(model.config, 20))
+        with pytest.raises(ValueError, match="output_attentions"):
+            model(input_ids=ids, cache=qt.QkvCache(model.config, 32), output_attentions=True)
+        # Another attention implementation never reads the cache: refused
+        # at the next update instead of attending to the new tokens alone.
+        cache = qt.QkvCache(model.config, 32)
+        model.set_attn_implementation("sdpa")
+        model(input_ids=ids[:, :4], cache=cache)
+        with pytest.raises(ValueError, match="attn_implementation"):
+            model(input_ids=ids[:, 4:5], cache=cache)
+        with pytest.raises(ValueError, match="beam search"):
+            cache.reorder_cache(torch.tensor([0, 1, 2]))
