@@ -16,6 +16,8 @@ It prints, as Markdown:
    tokens at a time: the perplexity, and the mean and largest KL divergence
    of the next-token distributions from those of the float32 cache;
 3. decoding speed: new tokens per second after a prompt, each cache.
+The last cache streams (StreamingLLM): it keeps the first 4 tokens and the
+most recent 64 to 67, so its perplexity shows what dropping the rest costs.
 """
 
 import argparse
@@ -61,6 +63,8 @@ CACHES = [  # (label, QkvCache storage)
     ("q4_0", dict(k_dtype="q4_0")),
     ("q4_0, rotated", dict(k_dtype="q4_0", rotate=True)),
     ("q8_0 K, q4_0 V", dict(k_dtype="q8_0", v_dtype="q4_0")),
+    # StreamingLLM: the first 4 tokens and the last 64 to 67 (pages of 4).
+    ("float32, streaming 4 + 64", dict(page_size=4, sink_tokens=4, window_tokens=64)),
 ]
 
 
@@ -148,7 +152,8 @@ def main():
         reference = None
         speeds = {}
         for label, storage in CACHES:
-            cache = QkvCache(model.config, max(capacity, text.shape[1]), **storage)
+            length = 0 if "window_tokens" in storage else max(capacity, text.shape[1])
+            cache = QkvCache(model.config, length, **storage)
             logits = text_logits(model, text, cache)
             layer = cache.layers[0].cache
             per_token = layer.key_token_bytes + layer.value_token_bytes
@@ -157,7 +162,8 @@ def main():
                 drift = float((logits - stock_logits).abs().max())
             d = kl(reference, logits)
             start = time.perf_counter()
-            generate(model, ids, new_tokens, QkvCache(model.config, capacity, **storage))
+            length = 0 if "window_tokens" in storage else capacity
+            generate(model, ids, new_tokens, QkvCache(model.config, length, **storage))
             speeds[label] = new_tokens / (time.perf_counter() - start)
             print(f"| {label} | {per_token} | {perplexity(logits, text):.4f} | "
                   f"{float(d.mean()):.2e} | {float(d.max()):.2e} | {speeds[label]:.1f} |")

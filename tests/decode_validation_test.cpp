@@ -104,7 +104,7 @@ const std::vector<BadRow<ConfigCall>>& bad_configs() {
        {"config.page_size: expected >= 0 (0 = contiguous), got -4"}},
       {"num_pages_negative",
        [](ConfigCall& c) { c.config.num_pages = -2; },
-       {"config.num_pages: expected >= 0 (0 = batch * ceil(capacity / page_size)), got -2"}},
+       {"config.num_pages: expected >= 0 (0 = batch * the pages a sequence may hold), got -2"}},
       {"num_pages_contiguous",
        [](ConfigCall& c) {
          c.config.page_size = 0;
@@ -126,7 +126,7 @@ const std::vector<BadRow<ConfigCall>>& bad_configs() {
          c.config.capacity = std::int64_t{1} << 40;
          c.config.page_size = 1;
        },
-       {"config.num_pages: the default batch * ceil(capacity / page_size) = 4294967296 * "
+       {"config.num_pages: the default batch * (pages a sequence may hold) = 4294967296 * "
         "1099511627776 overflows int64"}},
       {"storage_overflows",
        [](ConfigCall& c) { c.config.num_pages = std::int64_t{1} << 60; },

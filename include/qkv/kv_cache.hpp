@@ -28,16 +28,20 @@
 
 namespace qkv {
 
+namespace cache {
+struct Pool;  // what appends may change (src/cache/kv_cache.cpp)
+}  // namespace cache
+
 // Shape and storage of a KvCache.
 struct KvCacheConfig {
   std::int64_t batch = 1;      // B: sequences
   std::int64_t kv_heads = 1;   // Hkv
   std::int64_t head_dim = 0;   // Dk (>= 1)
   std::int64_t value_dim = 0;  // Dv; 0 = head_dim
-  std::int64_t capacity = 0;   // most tokens a sequence may hold (>= 1)
+  std::int64_t capacity = 0;   // most tokens a sequence may hold (>= 1; streaming: 0)
   DType dtype = DType::f32;    // f32, bf16 or f16: the storage where *_storage is automatic
   std::int64_t page_size = 0;  // 0 = contiguous; else tokens per page (paged)
-  std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * ceil(capacity / page_size)
+  std::int64_t num_pages = 0;  // paged: pages in the pool; 0 = B * pages a sequence may hold
   KvStorage key_storage = KvStorage::automatic;    // keys' storage; quantized: Dk % 32 == 0
   KvStorage value_storage = KvStorage::automatic;  // values'; quantized: Dv % 32 == 0
   // Store keys and values rotated by the normalized Walsh-Hadamard transform
@@ -45,6 +49,17 @@ struct KvCacheConfig {
   // arithmetic: spreads outlier channels before quantizing (llama.cpp's
   // rotation). Dk and Dv powers of two.
   bool rotate = false;
+  // Streaming (StreamingLLM), paged only: with window_tokens > 0 a sequence
+  // keeps its first sink_tokens tokens (whole pages: a multiple of page_size)
+  // and its most recent ones; after each appended token, the oldest page
+  // after the sinks is dropped (returned to the pool) while at least
+  // window_tokens recent tokens remain without it. A sequence then holds its
+  // sinks and between window_tokens and window_tokens + page_size - 1 recent
+  // tokens (page_size 1: exactly window_tokens), in order. capacity must be 0
+  // (the held tokens are bounded by the above). Keys keep the RoPE positions
+  // they were appended at (position(b)), see docs/numerics.md.
+  std::int64_t sink_tokens = 0;    // S: first tokens always kept
+  std::int64_t window_tokens = 0;  // W: recent tokens kept at least; 0 = no streaming
 };
 
 class KvCache {
@@ -66,13 +81,16 @@ class KvCache {
   // Tokens stored in sequence b, and all B lengths.
   std::int64_t length(std::int64_t b) const;
   std::span<const std::int64_t> lengths() const { return lengths_; }
+  // Tokens ever appended to sequence b since it was last released: the
+  // position of its next token (RoPE). length(b) unless streaming dropped some.
+  std::int64_t position(std::int64_t b) const;
   // Pages not owned by any sequence (contiguous: 0).
   std::int64_t free_pages() const;
 
   // Appends tokens to every sequence: k_new [B, n, Hkv, Dk], v_new
   // [B, n, Hkv, Dv] in any floating dtype (rounded once to the storage's),
   // the first counts[b] rows to sequence b (counts empty: all n). With
-  // `rope`, keys are rotated at their positions (length(b) + t) on the way
+  // `rope`, keys are rotated at their positions (position(b) + t) on the way
   // in; the inputs are not modified. Throws qkv::Error, changing nothing,
   // if shapes or dtypes are wrong, a count is out of [0, n], a sequence
   // would exceed `capacity`, or the pool has too few free pages.
@@ -95,8 +113,11 @@ class KvCache {
   std::span<const std::int64_t> block_table(std::int64_t b) const;
 
  private:
+  cache::Pool pool_();  // the state appends change, gathered
   KvCacheConfig config_;
-  std::vector<std::int64_t> lengths_;              // [B]
+  std::int64_t held_max_ = 0;  // most tokens a sequence holds (capacity; streaming: S + W + P - 1)
+  std::vector<std::int64_t> lengths_;              // [B] tokens held
+  std::vector<std::int64_t> positions_;            // [B] tokens appended
   std::vector<std::vector<std::int64_t>> tables_;  // [B][pages of b]
   std::vector<std::int64_t> free_;                 // pool pages not in use
   std::int64_t key_row_bytes_ = 0;                 // bytes of one token's keys [Hkv, Dk]

@@ -291,8 +291,9 @@ def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bi
 class KvCache(_qkv.KvCache):
     """A key/value cache for decoding (qkv/kv_cache.hpp).
 
-    KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity, dtype="float32",
-    page_size=0, num_pages=0, k_dtype=None, v_dtype=None, rotate=False): contiguous
+    KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity=0, dtype="float32",
+    page_size=0, num_pages=0, k_dtype=None, v_dtype=None, rotate=False,
+    sink_tokens=0, window_tokens=0): contiguous
     (page_size 0: each sequence owns `capacity` slots) or paged (a pool of
     num_pages pages of page_size tokens; 0 pages = enough for every sequence
     at capacity). Storage dtype "float32", "bfloat16" or "float16";
@@ -305,6 +306,11 @@ class KvCache(_qkv.KvCache):
     spreads outlier channels before quantizing, as llama.cpp's rotation.
     Properties k_dtype, v_dtype and rotate show the storage; key_page(b, i) and
     value_page(b, i) return a page's stored bytes.
+    Streaming (StreamingLLM; paged, capacity 0): window_tokens > 0 keeps each
+    sequence's first sink_tokens tokens (a multiple of page_size) and drops
+    whole pages of the oldest others while window_tokens recent ones remain;
+    length(b) counts the tokens held, position(b) those ever appended (the
+    RoPE position of the next one).
 
     append(k, v, counts=None, rope=False, rope_base=10000.0,
     rope_interleaved=False, rotary_dim=0): k [B, n, Hkv, Dk], v [B, n, Hkv,

@@ -272,8 +272,10 @@ class QkvCacheLayer(CacheLayerMixin):
 
     def __init__(self, max_cache_len: int, storage: dict):
         super().__init__()
-        self.max_cache_len = max_cache_len
-        self.storage = storage  # KvCache keyword arguments: k_dtype, v_dtype, page_size, rotate
+        self.max_cache_len = max_cache_len  # 0: streaming, unbounded
+        # KvCache keyword arguments: k_dtype, v_dtype, page_size, rotate,
+        # sink_tokens, window_tokens
+        self.storage = storage
         self.cache: Optional[_api.KvCache] = None
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -299,7 +301,7 @@ class QkvCacheLayer(CacheLayerMixin):
         if (b, h, d) != expected:
             raise ValueError(f"QkvCache: key_states [B, Hkv, n, Dk] expected B, Hkv, Dk = "
                              f"{expected}, got {(b, h, d)}")
-        if self.get_seq_length() + n > self.max_cache_len:
+        if self.max_cache_len and self.get_seq_length() + n > self.max_cache_len:
             raise ValueError(f"QkvCache: max_cache_len {self.max_cache_len} exceeded: "
                              f"{self.get_seq_length()} tokens held, {n} more given")
         self.pending = (key_states, value_states)
@@ -322,6 +324,9 @@ class QkvCacheLayer(CacheLayerMixin):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, k, v)):
             raise ValueError("QkvCache: decoding only (no gradient); train without a cache")
         window = _cache_window(mask, self.get_seq_length(), n, sliding_window)
+        if window >= 0 and self.cache.window_tokens:
+            raise ValueError("QkvCache: a streaming cache (window_tokens > 0) does not take "
+                             f"sliding-window layers, got a window of {window + 1} tokens")
         self.pending = None
         options = dict(scale=None if scaling is None else float(scaling),
                        softcap=float(softcap) if softcap else 0.0,
@@ -330,9 +335,12 @@ class QkvCacheLayer(CacheLayerMixin):
             options["window"] = (window, -1)
         q = query.detach().transpose(1, 2)
         k, v = k.detach().transpose(1, 2), v.detach().transpose(1, 2)
+        # A streaming cache drops tokens as it goes: one query at a time then,
+        # so that each sees what the cache held when its token came.
+        chunk = 1 if self.cache.window_tokens else _DECODE_CHUNK
         outs = []
-        for s in range(0, n, _DECODE_CHUNK):
-            e = min(n, s + _DECODE_CHUNK)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
             self.cache.append(k[:, s:e].contiguous(), v[:, s:e].contiguous())
             outs.append(_api.decode_attention(q[:, s:e].contiguous(), self.cache, **options))
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
@@ -341,11 +349,13 @@ class QkvCacheLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        held = 0 if self.cache is None else self.cache.length(0)
-        return held + (0 if self.pending is None else self.pending[0].shape[2])
+        """Tokens seen (streaming: more than the cache holds), the next
+        token's position."""
+        seen = 0 if self.cache is None else self.cache.position(0)
+        return seen + (0 if self.pending is None else self.pending[0].shape[2])
 
     def get_max_length(self) -> int:
-        return self.max_cache_len
+        return self.max_cache_len or -1
 
     def reset(self) -> None:
         self.cache, self.pending, self.is_initialized = None, None, False
@@ -396,15 +406,20 @@ class QkvCache(Cache):
 
     max_cache_len: the most tokens a sequence may hold (prompt included).
     k_dtype, v_dtype: "float32", "bfloat16", "float16", "q8_0" or "q4_0"
-    (v_dtype None: k_dtype). page_size, rotate: as qkv.KvCache's. Every
+    (v_dtype None: k_dtype). page_size, rotate: as qkv.KvCache's.
+    sink_tokens, window_tokens: streaming (StreamingLLM), as qkv.KvCache's:
+    with window_tokens > 0 (page_size > 0, max_cache_len 0) each layer keeps
+    the first sink_tokens tokens and the window_tokens or more recent ones,
+    and generation goes on without bound; keys keep their positions. Every
     attention reads the cache, the prompt's included (appended 16 tokens at a
     time), as llama.cpp's caches do. The batch's sequences must be equally
     long (no padding mask); greedy or sampled decoding, not beam search;
     decoder layers with full or sliding-window attention (the window is
     applied, all tokens are kept)."""
 
-    def __init__(self, config, max_cache_len: int, *, k_dtype: str = "float32",
-                 v_dtype: Optional[str] = None, page_size: int = 0, rotate: bool = False):
+    def __init__(self, config, max_cache_len: int = 0, *, k_dtype: str = "float32",
+                 v_dtype: Optional[str] = None, page_size: int = 0, rotate: bool = False,
+                 sink_tokens: int = 0, window_tokens: int = 0):
         if Cache is object:
             raise ImportError("QkvCache needs the transformers package")
         text = config.get_text_config(decoder=True)
@@ -412,15 +427,18 @@ class QkvCache(Cache):
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise ValueError("QkvCache: layer_types expected full_attention or "
                              f"sliding_attention, got {sorted(kinds)}")
+        streaming = isinstance(window_tokens, int) and window_tokens > 0
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) \
-                or max_cache_len < 1:
-            raise ValueError(f"QkvCache: max_cache_len expected an int >= 1, got {max_cache_len!r}")
+                or (max_cache_len != 0 if streaming else max_cache_len < 1):
+            expected = "0 with window_tokens > 0 (streaming is unbounded)" if streaming \
+                else "an int >= 1"
+            raise ValueError(f"QkvCache: max_cache_len expected {expected}, got {max_cache_len!r}")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         storage = dict(k_dtype=k_dtype, v_dtype=v_dtype or k_dtype, page_size=page_size,
-                       rotate=rotate)
-        # A one-token cache of the model's shape checks the storage now.
+                       rotate=rotate, sink_tokens=sink_tokens, window_tokens=window_tokens)
+        # A one-sequence cache of the model's shape checks the settings now.
         _api.KvCache(1, getattr(text, "num_key_value_heads", None) or heads, head_dim,
-                     capacity=1, **storage)
+                     capacity=0 if streaming else 1, **storage)
         super().__init__(layers=[QkvCacheLayer(max_cache_len, storage)
                                  for _ in range(text.num_hidden_layers)])

@@ -228,7 +228,7 @@ NB_MODULE(_qkv, m) {
              std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
              std::int64_t page_size, std::int64_t num_pages,
              const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype,
-             bool rotate) {
+             bool rotate, std::int64_t sink_tokens, std::int64_t window_tokens) {
             KvCacheConfig c;
             c.batch = batch;
             c.kv_heads = kv_heads;
@@ -241,11 +241,14 @@ NB_MODULE(_qkv, m) {
             c.key_storage = kv_storage(k_dtype, "k_dtype");
             c.value_storage = kv_storage(v_dtype, "v_dtype");
             c.rotate = rotate;
+            c.sink_tokens = sink_tokens;
+            c.window_tokens = window_tokens;
             new (self) KvCache(c);
           },
-          "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a,
+          "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a = 0,
           "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0,
-          "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none(), "rotate"_a = false)
+          "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none(), "rotate"_a = false,
+          "sink_tokens"_a = 0, "window_tokens"_a = 0)
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
@@ -257,6 +260,8 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("k_dtype", [](const KvCache& c) { return kv_storage_name(c.key_storage()); })
       .def_prop_ro("rotate", [](const KvCache& c) { return c.config().rotate; })
       .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
+      .def_prop_ro("sink_tokens", [](const KvCache& c) { return c.config().sink_tokens; })
+      .def_prop_ro("window_tokens", [](const KvCache& c) { return c.config().window_tokens; })
       .def_prop_ro("key_token_bytes", &KvCache::key_token_bytes)
       .def_prop_ro("value_token_bytes", &KvCache::value_token_bytes)
       .def(
@@ -274,6 +279,7 @@ NB_MODULE(_qkv, m) {
           },
           "b"_a, "index"_a)
       .def("length", &KvCache::length, "b"_a)
+      .def("position", &KvCache::position, "b"_a)
       .def("lengths",
            [](const KvCache& c) {
              return std::vector<std::int64_t>(c.lengths().begin(), c.lengths().end());

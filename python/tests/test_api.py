@@ -270,6 +270,29 @@ def test_kv_cache_decode_matches_causal_attention(paged):
             assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, v, np.float32)
 
 
+def test_streaming_kv_cache_decodes_its_sinks_and_window():
+    # Page size 2, 2 sinks, a window of 3: of 11 tokens it keeps 0, 1 and
+    # 8..10 (pages 2-3, 4-5, 6-7 dropped; dropping 8-9 would leave 1 < 3).
+    b, hkv, d, n = 1, 2, 8, 11
+    cache = qkv.KvCache(batch=b, kv_heads=hkv, head_dim=d, page_size=2, sink_tokens=2,
+                        window_tokens=3)
+    assert (cache.sink_tokens, cache.window_tokens, cache.capacity) == (2, 3, 0)
+    k, v = rand(b, n, hkv, d), rand(b, n, hkv, d)
+    cache.append(k[:, :4], v[:, :4])
+    cache.append(k[:, 4:], v[:, 4:])
+    assert (cache.length(0), cache.position(0)) == (5, 11)
+    kept = [0, 1, 8, 9, 10]
+    q = rand(b, 1, 4, d)
+    ref, _, _ = reference.attention(q, k[:, kept], v[:, kept], causal=True)
+    out = qkv.decode_attention(q, cache)
+    assert np.abs(out - ref).max() <= reference.tolerance(q, k, v, np.float32)
+    with pytest.raises(ValueError, match="config.capacity: expected 0 with window_tokens > 0"):
+        qkv.KvCache(batch=1, kv_heads=1, head_dim=8, capacity=8, page_size=2, window_tokens=3)
+    with pytest.raises(ValueError, match="config.sink_tokens: expected a multiple of page_size"):
+        qkv.KvCache(batch=1, kv_heads=1, head_dim=8, page_size=2, sink_tokens=1,
+                    window_tokens=3)
+
+
 def test_rope_backward_undoes_rope():
     x = rand(2, 5, 3, 8).astype(np.float64)
     y = qkv.apply_rope(x.copy(), [0, 3])

@@ -385,3 +385,37 @@ def test_qkv_cache_refuses_what_it_cannot_do():
             model(input_ids=ids[:, 4:5], cache=cache)
         with pytest.raises(ValueError, match="beam search"):
             cache.reorder_cache(torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("page_size, sinks, window", [(1, 2, 6), (4, 4, 7)])
+@pytest.mark.parametrize("step", [1, 24])
+def test_streaming_qkv_cache_attends_to_sinks_and_window(page_size, sinks, window, step):
+    # Fed one token at a time or all at once, query i sees the first `sinks` tokens and the
+    # recent ones the cache keeps: from the first whole page after the sinks
+    # whose dropping would leave fewer than `window` (page size 1: exactly
+    # the last `window`); keys keep their positions. The reference is the
+    # whole sequence at once with that mask.
+    cls, config = FAMILIES["llama"]()
+    ids, am = _inputs("none")
+    n = ids.shape[1]
+    first = torch.full((n,), sinks)
+    for i in range(n):
+        while i + 1 - int(first[i]) - page_size >= window:
+            first[i] += page_size
+    j = torch.arange(n)
+    admit = (j[None, :] <= j[:, None]) & ((j[None, :] < sinks) | (j[None, :] >= first[:, None]))
+    mask = admit.expand(ids.shape[0], 1, n, n)
+    with torch.no_grad():
+        ref = _output(_model(cls, config, "float64_reference", torch.float64), ids, mask)
+        stock = _output(_model(cls, config, "eager"), ids, mask)
+        model = _model(cls, config, "qkv")
+        cache = qt.QkvCache(model.config, page_size=page_size, sink_tokens=sinks,
+                            window_tokens=window)
+        got = _cached_logits(model, ids, cache, step)
+    layer = cache.layers[0].cache
+    assert cache.get_seq_length() == layer.position(0) == n
+    assert layer.length(0) == sinks + n - int(first[-1]) < n
+    assert not torch.equal(admit, torch.ones(n, n, dtype=torch.bool).tril())
+    _within_error_model(got, stock, ref, am.bool())
+    with pytest.raises(ValueError, match="max_cache_len expected 0 with window_tokens"):
+        qt.QkvCache(model.config, 64, page_size=page_size, window_tokens=window)

@@ -33,7 +33,31 @@
 #include "cache/storage-inl.h"
 
 namespace qkv {
+namespace cache {
+
+// What a mutating call may touch, gathered so that the shared steps below can
+// work on a KvCache's private state.
+struct Pool {
+  std::int64_t capacity;       // most tokens a sequence may hold (streaming: S + W + P - 1)
+  std::int64_t page_size;      // tokens per page (contiguous: capacity)
+  std::int64_t sinks, window;  // streaming's S and W (window 0: no streaming)
+  std::int64_t kv_heads, head_dim, value_dim;
+  std::vector<std::int64_t>& lengths;
+  std::vector<std::int64_t>& positions;
+  std::vector<std::vector<std::int64_t>>& tables;
+  std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
+  KvStorage key_storage, value_storage;
+  bool hadamard;                                // KvCacheConfig::rotate
+  std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
+  std::byte* keys;
+  std::byte* values;
+};
+
+}  // namespace cache
+
 namespace {
+
+using cache::Pool;
 
 using cache::HWY_NAMESPACE::WithStorage;
 using detail::at;
@@ -58,22 +82,6 @@ const std::byte* bytes_of(const Tensor& t) {
   return static_cast<const std::byte*>(t.view().data());
 }
 
-// What a mutating call may touch, gathered so that the shared steps below can
-// work on a KvCache's private state.
-struct Pool {
-  std::int64_t capacity;
-  std::int64_t page_size;  // tokens per page (contiguous: capacity)
-  std::int64_t kv_heads, head_dim, value_dim;
-  std::vector<std::int64_t>& lengths;
-  std::vector<std::vector<std::int64_t>>& tables;
-  std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
-  KvStorage key_storage, value_storage;
-  bool hadamard;                                // KvCacheConfig::rotate
-  std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
-  std::byte* keys;
-  std::byte* values;
-};
-
 // The rows an append gives each sequence b: counts[b], or when counts is
 // empty `rows` (to sequence `only` alone when it is >= 0, else to each).
 struct Counts {
@@ -87,13 +95,37 @@ struct Counts {
   }
 };
 
+// Streaming: whether a sequence holding `held` tokens drops its oldest page
+// after the sinks, which leaves window or more recent tokens.
+bool drops(const Pool& pool, std::int64_t held) {
+  return pool.window > 0 && held - pool.sinks - pool.page_size >= pool.window;
+}
+
+// Streaming: drops sequence b's oldest page after its sinks, back to the pool.
+void drop_page(Pool& pool, std::size_t b) {
+  std::vector<std::int64_t>& table = pool.tables[b];
+  const auto oldest = table.begin() + pool.sinks / pool.page_size;
+  pool.free_list.push_back(*oldest);  // within its reserved size: cannot throw
+  std::push_heap(pool.free_list.begin(), pool.free_list.end(), std::greater<>());
+  table.erase(oldest);
+  pool.lengths[b] -= pool.page_size;
+}
+
 // Whether every sequence has room for counts[b] more tokens, and the pool
-// enough free pages for all of them together.
+// enough free pages for all of them together. A streaming sequence holds at
+// most `capacity` tokens at any time (drops come before the page they free
+// is needed), so it needs at most the pages of min(length + count, capacity).
 void check_room(const char* op, const Pool& pool, const Counts& counts, Reasons& r) {
   std::int64_t pages_needed = 0;
   for (std::size_t b = 0; b < pool.lengths.size(); ++b) {
     const std::int64_t length = pool.lengths[b];
     const std::int64_t count = counts[b];
+    if (pool.window > 0) {
+      const std::int64_t held = std::min(pool.capacity - length, count) + length;
+      const auto pages = static_cast<std::int64_t>(pool.tables[b].size());
+      pages_needed += std::max<std::int64_t>(0, ceil_div(held, pool.page_size) - pages);
+      continue;
+    }
     if (count > pool.capacity - length) {
       // Unsigned: both terms are below 2^63, their sum may not be.
       r.push_back(
@@ -126,8 +158,10 @@ CopyRow writer_for(KvStorage storage, DType dtype) {
 }
 
 // Appends rows [0, counts[b]) of k [B, n, Hkv, Dk] and v [B, n, Hkv, Dv] to
-// each sequence b, taking pages as sequences cross page boundaries, rows
-// written in the storage of keys and of values. Runs only after check_room
+// each sequence b, taking pages as sequences cross page boundaries (and,
+// streaming, dropping them: before a new page when the drop that follows the
+// token would come anyway, so the pages held never exceed check_room's
+// count), rows written in the storage of keys and of values. Runs only after check_room
 // passed; it cannot fail (the tables have their capacity reserved), so a
 // throwing call never gets here.
 void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
@@ -148,15 +182,19 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
   for (std::size_t b = 0; b < pool.lengths.size(); ++b) {
     std::vector<std::int64_t>& table = pool.tables[b];
     for (std::int64_t t = 0; t < counts[b]; ++t) {
-      const std::int64_t position = pool.lengths[b] + t;
-      const std::int64_t index = position / pool.page_size;
+      const std::int64_t position = pool.positions[b] + t;  // RoPE's
+      if (pool.lengths[b] % pool.page_size == 0 && drops(pool, pool.lengths[b] + 1)) {
+        drop_page(pool, b);
+      }
+      const std::int64_t held = pool.lengths[b];  // the token's row
+      const std::int64_t index = held / pool.page_size;
       if (index == static_cast<std::int64_t>(table.size())) {
         assert(!pool.free_list.empty() && "check_room counted the pages");
         std::pop_heap(pool.free_list.begin(), pool.free_list.end(), std::greater<>());
         table.push_back(pool.free_list.back());
         pool.free_list.pop_back();
       }
-      const std::int64_t slot = table[index] * pool.page_size + position % pool.page_size;
+      const std::int64_t slot = table[index] * pool.page_size + held % pool.page_size;
       std::byte* key_dst = pool.keys + slot * pool.key_row_bytes;
       std::byte* value_dst = pool.values + slot * pool.value_row_bytes;
       const auto bi = static_cast<std::int64_t>(b);
@@ -182,8 +220,10 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
           copy_value(value_src, v.stride(3), value_dst + h * value_head, pool.value_dim);
         }
       }
+      pool.lengths[b] = held + 1;
+      if (drops(pool, held + 1)) drop_page(pool, b);
     }
-    pool.lengths[b] += counts[b];
+    pool.positions[b] += counts[b];
   }
 }
 
@@ -257,12 +297,44 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   at_least("kv_heads", c.kv_heads, 1, "");
   at_least("head_dim", c.head_dim, 1, "");
   at_least("value_dim", c.value_dim, 0, " (0 = head_dim)");
-  at_least("capacity", c.capacity, 1, "");
+  const bool streaming = c.window_tokens > 0;
+  if (!streaming) at_least("capacity", c.capacity, 1, "");
   at_least("page_size", c.page_size, 0, " (0 = contiguous)");
-  at_least("num_pages", c.num_pages, 0, " (0 = batch * ceil(capacity / page_size))");
+  at_least("num_pages", c.num_pages, 0, " (0 = batch * the pages a sequence may hold)");
   if (c.page_size == 0 && c.num_pages != 0) {
     r.push_back("config.num_pages: only used by the paged layout (page_size > 0), got " +
                 to_string(c.num_pages) + " with page_size 0 (contiguous)");
+  }
+  at_least("sink_tokens", c.sink_tokens, 0, "");
+  at_least("window_tokens", c.window_tokens, 0, " (0 = no streaming)");
+  if (!streaming) {
+    if (c.sink_tokens > 0) {
+      r.push_back("config.sink_tokens: only kept by streaming (window_tokens > 0), got " +
+                  to_string(c.sink_tokens) + " with window_tokens 0");
+    }
+  } else {
+    if (c.capacity != 0) {
+      r.push_back(
+          "config.capacity: expected 0 with window_tokens > 0 (a streaming sequence "
+          "holds at most sink_tokens + window_tokens + page_size - 1 tokens), got " +
+          to_string(c.capacity));
+    }
+    if (c.page_size == 0) {
+      r.push_back(
+          "config.window_tokens: streaming drops whole pages: expected page_size > 0 "
+          "(paged), got 0 (contiguous)");
+    } else if (c.page_size > 0 && c.sink_tokens >= 0 && c.sink_tokens % c.page_size != 0) {
+      r.push_back("config.sink_tokens: expected a multiple of page_size " + to_string(c.page_size) +
+                  " (the sinks fill whole pages), got " + to_string(c.sink_tokens));
+    }
+    constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+    if (c.page_size > 0 && c.sink_tokens >= 0 &&
+        c.window_tokens > kMax - c.page_size - c.sink_tokens) {
+      r.push_back(
+          "config.window_tokens: sink_tokens + window_tokens + page_size overflows "
+          "int64, got window_tokens " +
+          to_string(c.window_tokens));
+    }
   }
   const auto check_storage = [&](const char* field, KvStorage storage, std::int64_t dim,
                                  const char* dim_name) {
@@ -315,11 +387,12 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
 
   const std::int64_t dv = value_dim();
   const std::int64_t tokens = page_size();
+  held_max_ = streaming ? c.sink_tokens + c.window_tokens + c.page_size - 1 : c.capacity;
   // Pages one sequence may need at most; the pool size when not given.
-  const std::int64_t per_sequence = ceil_div(c.capacity, tokens);
+  const std::int64_t per_sequence = ceil_div(held_max_, tokens);
   std::int64_t pages = paged() ? c.num_pages : c.batch;
   if (pages == 0 && !detail::checked_product({c.batch, per_sequence}, pages)) {
-    r.push_back("config.num_pages: the default batch * ceil(capacity / page_size) = " +
+    r.push_back("config.num_pages: the default batch * (pages a sequence may hold) = " +
                 to_string(c.batch) + " * " + to_string(per_sequence) + " overflows int64");
   }
   // At most 4 bytes per stored value.
@@ -350,6 +423,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   }
   try {
     lengths_.assign(static_cast<std::size_t>(c.batch), 0);
+    positions_.assign(static_cast<std::size_t>(c.batch), 0);
     tables_.resize(static_cast<std::size_t>(c.batch));
     if (paged()) {
       // Reserved now so that appending pages to a table never allocates (and
@@ -392,6 +466,11 @@ std::int64_t KvCache::length(std::int64_t b) const {
   return lengths_[b];
 }
 
+std::int64_t KvCache::position(std::int64_t b) const {
+  if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("position", b, config_.batch));
+  return positions_[b];
+}
+
 std::int64_t KvCache::free_pages() const { return static_cast<std::int64_t>(free_.size()); }
 
 namespace {
@@ -430,11 +509,31 @@ std::int64_t check_rows(const KvCache& cache, bool batched, ConstTensorView k_ne
 
 }  // namespace
 
+cache::Pool KvCache::pool_() {
+  return Pool{.capacity = held_max_,
+              .page_size = page_size(),
+              .sinks = config_.sink_tokens,
+              .window = config_.window_tokens,
+              .kv_heads = config_.kv_heads,
+              .head_dim = config_.head_dim,
+              .value_dim = value_dim(),
+              .lengths = lengths_,
+              .positions = positions_,
+              .tables = tables_,
+              .free_list = free_,
+              .key_storage = key_storage(),
+              .value_storage = value_storage(),
+              .hadamard = config_.rotate,
+              .key_row_bytes = key_row_bytes_,
+              .value_row_bytes = value_row_bytes_,
+              .keys = bytes_of(keys_),
+              .values = bytes_of(values_)};
+}
+
 void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
                      std::span<const std::int64_t> counts, const RopeConfig* rope) {
   Reasons r;
   const std::int64_t batch = config_.batch;
-  const std::int64_t hkv = config_.kv_heads;
   const std::int64_t n = check_rows(*this, true, k_new, v_new, rope, r);
   bool counts_ok = n >= 0;
   if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != batch) {
@@ -450,11 +549,7 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
       }
     }
   }
-  Pool pool{config_.capacity, page_size(),     hkv,
-            config_.head_dim, value_dim(),     lengths_,
-            tables_,          free_,           key_storage(),
-            value_storage(),  config_.rotate,  key_row_bytes_,
-            value_row_bytes_, bytes_of(keys_), bytes_of(values_)};
+  Pool pool = pool_();
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
   if (r.empty()) {
@@ -475,11 +570,7 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   const std::int64_t n = check_rows(*this, false, k_new, v_new, rope, r);
   // As a batch append in which only sequence b gets rows: the inputs repeat
   // over the batch (stride 0) and every other count is 0.
-  Pool pool{config_.capacity, page_size(),     hkv,
-            config_.head_dim, value_dim(),     lengths_,
-            tables_,          free_,           key_storage(),
-            value_storage(),  config_.rotate,  key_row_bytes_,
-            value_row_bytes_, bytes_of(keys_), bytes_of(values_)};
+  Pool pool = pool_();
   const Counts rows{.rows = n, .only = b};
   if (b_ok && n >= 0) check_room("append_to", pool, rows, r);
   throw_if(r);
@@ -496,6 +587,7 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
 void KvCache::release(std::int64_t b) {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("release", b, config_.batch));
   lengths_[b] = 0;
+  positions_[b] = 0;
   if (!paged()) return;
   for (std::int64_t page : tables_[b]) {
     free_.push_back(page);

@@ -600,8 +600,9 @@ Tensor MultiHeadAttention::forward_step(ConstTensorView x_new, KvCache& cache) c
   Tensor q = project(ct, x.data, b * n, e, w.wq, w.bq, e, {b, n, h, dh});
   const Tensor k = project(ct, x.data, b * n, e, w.wk, w.bk, kv_dim_, {b, n, hkv, dh});
   const Tensor v = project(ct, x.data, b * n, e, w.wv, w.bv, kv_dim_, {b, n, hkv, dh});
-  // New token t of sequence s sits at position length(s) + t.
-  const std::vector<std::int64_t> start(cache.lengths().begin(), cache.lengths().end());
+  // New token t of sequence s sits at position position(s) + t.
+  std::vector<std::int64_t> start(static_cast<std::size_t>(b));
+  for (std::int64_t s = 0; s < b; ++s) start[static_cast<std::size_t>(s)] = cache.position(s);
   const bool rope = config_.position == Position::rope;
   if (rope) apply_rope(q, start, config_.rope);
   // Allocated before the append, which is the step's last change of state

@@ -4,19 +4,24 @@
 // their options (scale, softcap, ALiBi, window, backends, and options decode
 // must refuse), apply_rope and apply_rope_backward, with strided and bad
 // views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
-// q4_0), plain or rotated by the Hadamard transform.
+// q4_0), plain or rotated by the Hadamard transform; streaming caches
+// (sinks and window).
 //
 // Checks: only qkv::Error escapes; a rejected append or release leaves every
 // length, block table, free page count and stored row as it was; a
 // rejected decode leaves its outputs bitwise unchanged, and one that must be
 // rejected is (a sequence shorter than n, n > 16, options that do not apply
-// to decoding); an append without RoPE stores its rows rounded once to the
+// to decoding); an append moves each position by its count, and a streaming
+// sequence holds no more than its sinks and window allow and no fewer than
+// its sinks and window; an append without RoPE stores its rows rounded once to the
 // storage dtype (quantized: ggml's quantizer on the rows rounded to f32);
 // finite caches and queries give finite outputs; decode meets
 // the tolerance policy against the reference forward over each sequence's
 // cached keys (computed in double), and is bitwise the same for another
 // thread count and for the allocating call; apply_rope_backward undoes
 // apply_rope.
+#include <cmath>
+
 #include "api/validate.hpp"
 #include "cache/formats.hpp"
 #include "fuzz_common.hpp"
@@ -91,7 +96,7 @@ Tensor stored_as(ConstTensorView rows, KvStorage storage) {
 // Everything observable about a cache, to compare before and after a
 // rejected call.
 struct CacheState {
-  std::vector<std::int64_t> lengths;
+  std::vector<std::int64_t> lengths, positions;
   std::vector<std::vector<std::int64_t>> tables;
   std::int64_t free_pages = 0;
   std::vector<Tensor> keys, values;
@@ -99,6 +104,7 @@ struct CacheState {
   explicit CacheState(const KvCache& cache) : free_pages(cache.free_pages()) {
     for (std::int64_t b = 0; b < cache.config().batch; ++b) {
       lengths.push_back(cache.length(b));
+      positions.push_back(cache.position(b));
       const auto t = cache.block_table(b);
       tables.emplace_back(t.begin(), t.end());
       keys.push_back(gather(cache, b, true));
@@ -106,7 +112,10 @@ struct CacheState {
     }
   }
   bool operator==(const CacheState& o) const {
-    if (lengths != o.lengths || tables != o.tables || free_pages != o.free_pages) return false;
+    if (lengths != o.lengths || positions != o.positions || tables != o.tables ||
+        free_pages != o.free_pages) {
+      return false;
+    }
     for (std::size_t b = 0; b < keys.size(); ++b) {
       if (!qkv::fuzz::same_values(keys[b], o.keys[b]) ||
           !qkv::fuzz::same_values(values[b], o.values[b])) {
@@ -158,24 +167,36 @@ bool fuzz_config(Input& in, KvCacheConfig& c) {
       c.value_dim = in.coin() ? 0 : in.pick(kBlockDims);
     }
   }
-  // Bytes the storage would take, in 128 bits; valid configurations above
-  // 64 MiB are skipped (they are not errors, only slow).
+  // Streaming, mostly valid: paged, capacity 0, sinks in whole pages.
+  if (in.one_in(4)) {
+    c.page_size = in.one_in(10) ? 0 : in.range(1, 6);
+    c.capacity = in.one_in(10) ? in.range(1, 8) : 0;
+    c.window_tokens = in.one_in(10) ? in.extreme_int() : in.range(1, 12);
+    c.sink_tokens = in.one_in(10) ? in.extreme_int() : in.range(0, 2) * c.page_size;
+  }
+  // Bytes the storage would take, in long double (several fields may be
+  // extreme at once); valid configurations above 64 MiB are skipped (they
+  // are not errors, only slow).
   const auto positive = [](std::int64_t x) {
-    return static_cast<__int128>(std::max<std::int64_t>(x, 1));
+    return static_cast<long double>(std::max<std::int64_t>(x, 1));
   };
   const std::int64_t dv = c.value_dim == 0 ? c.head_dim : c.value_dim;
-  __int128 tokens = positive(c.batch) * positive(c.capacity);
+  const long double held =
+      c.window_tokens > 0
+          ? positive(c.sink_tokens) + positive(c.window_tokens) + positive(c.page_size)
+          : positive(c.capacity);
+  long double tokens = positive(c.batch) * held;
   if (c.page_size > 0) {
-    const __int128 pages =
-        c.num_pages > 0 ? positive(c.num_pages)
-                        : positive(c.batch) * ((positive(c.capacity) + positive(c.page_size) - 1) /
-                                               positive(c.page_size));
+    const long double pages = c.num_pages > 0
+                                  ? positive(c.num_pages)
+                                  : positive(c.batch) * std::ceil(held / positive(c.page_size));
     tokens = pages * positive(c.page_size);
   }
   // Plus a length and a block table (a std::vector) per sequence.
-  const __int128 bytes = tokens * positive(c.kv_heads) * (positive(c.head_dim) + positive(dv)) * 4 +
-                         positive(c.batch) * 32;
-  return !(bytes > (__int128{1} << 26) && bytes < (__int128{1} << 63));
+  const long double bytes =
+      tokens * positive(c.kv_heads) * (positive(c.head_dim) + positive(dv)) * 4 +
+      positive(c.batch) * 32;
+  return !(bytes > 0x1p26L && bytes < 0x1p63L);
 }
 
 // Appends fuzzed rows to every sequence (or to one); checks the outcome.
@@ -255,9 +276,24 @@ void fuzz_append(Input& in, KvCache& cache) {
     return;
   }
   require(!must_reject, "KvCache::append accepted a call it must reject");
-  if (with_rope || cfg.rotate) return;  // rows rotated on the way in
-  // Each appended row is the input's row rounded once to the storage dtype.
   const CacheState after(cache);
+  for (std::int64_t b = 0; b < cfg.batch; ++b) {
+    const auto i = static_cast<std::size_t>(b);
+    const std::int64_t given = one ? (b == target ? rows : 0) : (counts.empty() ? rows : counts[i]);
+    require(after.positions[i] == before.positions[i] + given,
+            "append moved the position of sequence " + std::to_string(b) + " by " +
+                std::to_string(after.positions[i] - before.positions[i]) + ", expected " +
+                std::to_string(given));
+    if (cfg.window_tokens > 0) {
+      require(after.lengths[i] <= cfg.sink_tokens + cfg.window_tokens + cfg.page_size - 1,
+              "a streaming sequence holds more than its sinks and window allow");
+      require(after.lengths[i] >= std::min(after.positions[i], cfg.sink_tokens + cfg.window_tokens),
+              "a streaming sequence dropped tokens of its window");
+    }
+  }
+  // Streaming drops rows (tests/streaming_cache_test.cpp checks which).
+  if (with_rope || cfg.rotate || cfg.window_tokens > 0) return;  // rows rotated on the way in
+  // Each appended row is the input's row rounded once to the storage dtype.
   for (std::int64_t b = 0; b < cfg.batch; ++b) {
     const std::int64_t added =
         after.lengths[static_cast<std::size_t>(b)] - before.lengths[static_cast<std::size_t>(b)];
