@@ -68,6 +68,9 @@ struct Case {
   // Decode: the KvCache's storage; Nq is the new queries per sequence and Nk
   // the cache length L (queries, in `dtype`, see all L keys).
   KvStorage cache_storage = KvStorage::f32;
+  // Decode: a latent cache (MLA, KvCacheConfig::values_in_keys; Hkv 1): each
+  // row of D values is the key, its first dv the value. 0: values of D apart.
+  std::int64_t latent_dv = 0;
 };
 
 // A sequence length divided by --shrink (at least 1).
@@ -183,6 +186,24 @@ std::vector<Case> decode_cases(int shrink) {
                        .naive = false,
                        .cache_storage = storage});
     }
+  }
+  // DeepSeek's MLA, absorbed: 128 query heads against one latent row of 576
+  // (512 + 64 RoPE) per token, the first 512 the value; bf16 and q8_0.
+  for (const KvStorage storage : {KvStorage::bf16, KvStorage::q8_0}) {
+    const std::int64_t l = shrunk(32768, shrink);
+    cases.push_back({.name = "dec/mla/" + std::string(storage_name(storage)) + "/B1/Hq128/L" +
+                             std::to_string(l) + "/D576/Dv512/n1",
+                     .pass = Pass::decode,
+                     .b = 1,
+                     .hq = 128,
+                     .hkv = 1,
+                     .nq = 1,
+                     .nk = l,
+                     .d = 576,
+                     .causal = true,
+                     .naive = false,
+                     .cache_storage = storage,
+                     .latent_dv = 512});
   }
   return cases;
 }
@@ -301,8 +322,10 @@ std::vector<Case> suite_cases(const BenchOptions& options) {
 // D = 128) whatever L is.
 constexpr std::int64_t kFillRows = 4096;
 
-// Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) stored values.
+// Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) stored values
+// (a latent cache: B * L rows of D).
 std::int64_t cache_bytes(const Case& c) {
+  if (c.latent_dv > 0) return c.b * c.nk * stored_bytes(c.cache_storage, c.d);
   return c.b * c.nk * c.hkv * 2 * stored_bytes(c.cache_storage, c.d);
 }
 
@@ -321,17 +344,20 @@ std::string fill_cache(const Case& c, std::mt19937& rng, std::optional<KvCache>&
            " MiB available";
   }
   try {
+    const bool latent = c.latent_dv > 0;
     cache.emplace(KvCacheConfig{.batch = c.b,
                                 .kv_heads = c.hkv,
                                 .head_dim = c.d,
+                                .value_dim = c.latent_dv,
                                 .capacity = c.nk,
                                 .key_storage = c.cache_storage,
-                                .value_storage = c.cache_storage});
+                                .value_storage = c.cache_storage,
+                                .values_in_keys = latent});
     for (std::int64_t t = 0; t < c.nk; t += chunk) {
       const std::int64_t n = std::min(chunk, c.nk - t);
       const Tensor k = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
-      const Tensor v = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
-      cache->append(k, v);
+      const Tensor v = latent ? Tensor() : random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
+      cache->append(k, latent ? ConstTensorView{} : v.view());
     }
   } catch (const std::bad_alloc&) {
     cache.reset();
@@ -440,12 +466,14 @@ struct PreparedCase {
 std::string prepare_case(const Case& c, const BenchOptions& options, PreparedCase& p) {
   std::mt19937 rng(kSeed);
   p.q = random_tensor(c.dtype, {c.b, c.nq, c.hq, c.d}, rng);
-  p.o = Tensor(c.dtype, {c.b, c.nq, c.hq, c.d});
+  p.o = Tensor(c.dtype, {c.b, c.nq, c.hq, c.latent_dv > 0 ? c.latent_dv : c.d});
   p.attention_options = options_of(c);
   // 4 flops per unmasked pair, head and head dimension forward and decode,
   // 2.5 times that backward. The naive baselines are credited with the same
   // useful flops.
-  p.flops = (c.pass == Pass::backward ? 10.0 : 4.0) * static_cast<double>(c.b * c.hq * c.d) *
+  // A latent case: 2 D + 2 Dv flops per pair and head.
+  const std::int64_t dims = c.latent_dv > 0 ? (c.d + c.latent_dv) / 2 : c.d;
+  p.flops = (c.pass == Pass::backward ? 10.0 : 4.0) * static_cast<double>(c.b * c.hq * dims) *
             static_cast<double>(unmasked_pairs(c.nq, c.nk, p.attention_options));
   if (c.pass == Pass::decode) {
     if (std::string skip = fill_cache(c, rng, p.cache); !skip.empty()) return skip;

@@ -60,6 +60,13 @@ struct KvCacheConfig {
   // they were appended at (position(b)), see docs/numerics.md.
   std::int64_t sink_tokens = 0;    // S: first tokens always kept
   std::int64_t window_tokens = 0;  // W: recent tokens kept at least; 0 = no streaming
+  // A latent cache (multi-head latent attention, DeepSeek's MLA): one row of
+  // head_dim values per token serves as its key, and its first value_dim
+  // values as its value, stored once. kv_heads 1, value_dim <= head_dim, one
+  // storage for the row (value_storage automatic or key_storage's); appends
+  // take no values (v_new undefined) and no RoPE (rotate the row's RoPE part
+  // before appending); no Hadamard rotation.
+  bool values_in_keys = false;
 };
 
 class KvCache {
@@ -75,7 +82,8 @@ class KvCache {
   KvStorage value_storage() const;
   // Tokens per page (contiguous: capacity).
   std::int64_t page_size() const;
-  // Bytes of one token's keys [Hkv, Dk] and of its values [Hkv, Dv] as stored.
+  // Bytes of one token's keys [Hkv, Dk] and of its values [Hkv, Dv] as stored
+  // (values_in_keys: both the row's, the values being its first Dv).
   std::int64_t key_token_bytes() const { return key_row_bytes_; }
   std::int64_t value_token_bytes() const { return value_row_bytes_; }
   // Tokens stored in sequence b, and all B lengths.
@@ -88,12 +96,11 @@ class KvCache {
   std::int64_t free_pages() const;
 
   // Appends tokens to every sequence: k_new [B, n, Hkv, Dk], v_new
-  // [B, n, Hkv, Dv] in any floating dtype (rounded once to the storage's),
-  // the first counts[b] rows to sequence b (counts empty: all n). With
-  // `rope`, keys are rotated at their positions (position(b) + t) on the way
-  // in; the inputs are not modified. Throws qkv::Error, changing nothing,
-  // if shapes or dtypes are wrong, a count is out of [0, n], a sequence
-  // would exceed `capacity`, or the pool has too few free pages.
+  // [B, n, Hkv, Dv] (values_in_keys: undefined) in any floating dtype (rounded once to the
+  // storage's), the first counts[b] rows to sequence b (counts empty: all n). With `rope`, keys are
+  // rotated at their positions (position(b) + t) on the way in; the inputs are not modified. Throws
+  // qkv::Error, changing nothing, if shapes or dtypes are wrong, a count is out of [0, n], a
+  // sequence would exceed `capacity`, or the pool has too few free pages.
   void append(ConstTensorView k_new, ConstTensorView v_new,
               std::span<const std::int64_t> counts = {}, const RopeConfig* rope = nullptr);
   // Appends k_new [n, Hkv, Dk], v_new [n, Hkv, Dv] to sequence b alone;

@@ -293,7 +293,7 @@ class KvCache(_qkv.KvCache):
 
     KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity=0, dtype="float32",
     page_size=0, num_pages=0, k_dtype=None, v_dtype=None, rotate=False,
-    sink_tokens=0, window_tokens=0): contiguous
+    sink_tokens=0, window_tokens=0, values_in_keys=False): contiguous
     (page_size 0: each sequence owns `capacity` slots) or paged (a pool of
     num_pages pages of page_size tokens; 0 pages = enough for every sequence
     at capacity). Storage dtype "float32", "bfloat16" or "float16";
@@ -311,6 +311,9 @@ class KvCache(_qkv.KvCache):
     whole pages of the oldest others while window_tokens recent ones remain;
     length(b) counts the tokens held, position(b) those ever appended (the
     RoPE position of the next one).
+    values_in_keys=True makes a latent cache (DeepSeek's MLA): kv_heads 1, one
+    row of head_dim values per token, whose first value_dim values are its
+    value (stored once); append(k, None) then, rows already rotated.
 
     append(k, v, counts=None, rope=False, rope_base=10000.0,
     rope_interleaved=False, rotary_dim=0): k [B, n, Hkv, Dk], v [B, n, Hkv,
@@ -320,12 +323,12 @@ class KvCache(_qkv.KvCache):
 
     def append(self, k, v, counts=None, rope=False, rope_base=10000.0,
                rope_interleaved=False, rotary_dim=0):
-        super().append(native(k, "k"), native(v, "v"), ints(counts, "counts"), rope,
+        super().append(native(k, "k"), optional_native(v, "v"), ints(counts, "counts"), rope,
                        rope_base, rope_interleaved, rotary_dim)
 
     def append_to(self, b, k, v, rope=False, rope_base=10000.0, rope_interleaved=False,
                   rotary_dim=0):
-        super().append_to(b, native(k, "k"), native(v, "v"), rope, rope_base,
+        super().append_to(b, native(k, "k"), optional_native(v, "v"), rope, rope_base,
                           rope_interleaved, rotary_dim)
 
 

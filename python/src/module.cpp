@@ -228,7 +228,8 @@ NB_MODULE(_qkv, m) {
              std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
              std::int64_t page_size, std::int64_t num_pages,
              const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype,
-             bool rotate, std::int64_t sink_tokens, std::int64_t window_tokens) {
+             bool rotate, std::int64_t sink_tokens, std::int64_t window_tokens,
+             bool values_in_keys) {
             KvCacheConfig c;
             c.batch = batch;
             c.kv_heads = kv_heads;
@@ -243,12 +244,13 @@ NB_MODULE(_qkv, m) {
             c.rotate = rotate;
             c.sink_tokens = sink_tokens;
             c.window_tokens = window_tokens;
+            c.values_in_keys = values_in_keys;
             new (self) KvCache(c);
           },
           "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a = 0,
           "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0,
           "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none(), "rotate"_a = false,
-          "sink_tokens"_a = 0, "window_tokens"_a = 0)
+          "sink_tokens"_a = 0, "window_tokens"_a = 0, "values_in_keys"_a = false)
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
@@ -260,6 +262,7 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("k_dtype", [](const KvCache& c) { return kv_storage_name(c.key_storage()); })
       .def_prop_ro("rotate", [](const KvCache& c) { return c.config().rotate; })
       .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
+      .def_prop_ro("values_in_keys", [](const KvCache& c) { return c.config().values_in_keys; })
       .def_prop_ro("sink_tokens", [](const KvCache& c) { return c.config().sink_tokens; })
       .def_prop_ro("window_tokens", [](const KvCache& c) { return c.config().window_tokens; })
       .def_prop_ro("key_token_bytes", &KvCache::key_token_bytes)
@@ -286,25 +289,25 @@ NB_MODULE(_qkv, m) {
            })
       .def(
           "append",
-          [](KvCache& c, const In& k, const In& v, const std::optional<Ints>& counts, bool rope,
-             double rope_base, bool rope_interleaved, std::int64_t rotary_dim) {
+          [](KvCache& c, const In& k, const std::optional<In>& v, const std::optional<Ints>& counts,
+             bool rope, double rope_base, bool rope_interleaved, std::int64_t rotary_dim) {
             const RopeConfig r = rope_config(rope_base, rope_interleaved, rotary_dim);
             const ConstTensorView kv = view_of(k, "k"), vv = view_of(v, "v");
             nb::gil_scoped_release release;
             c.append(kv, vv, span_of(counts), rope ? &r : nullptr);
           },
-          "k"_a, "v"_a, "counts"_a.none() = nb::none(), "rope"_a = false, "rope_base"_a = 10000.0,
-          "rope_interleaved"_a = false, "rotary_dim"_a = 0)
+          "k"_a, "v"_a.none(), "counts"_a.none() = nb::none(), "rope"_a = false,
+          "rope_base"_a = 10000.0, "rope_interleaved"_a = false, "rotary_dim"_a = 0)
       .def(
           "append_to",
-          [](KvCache& c, std::int64_t b, const In& k, const In& v, bool rope, double rope_base,
-             bool rope_interleaved, std::int64_t rotary_dim) {
+          [](KvCache& c, std::int64_t b, const In& k, const std::optional<In>& v, bool rope,
+             double rope_base, bool rope_interleaved, std::int64_t rotary_dim) {
             const RopeConfig r = rope_config(rope_base, rope_interleaved, rotary_dim);
             const ConstTensorView kv = view_of(k, "k"), vv = view_of(v, "v");
             nb::gil_scoped_release release;
             c.append_to(b, kv, vv, rope ? &r : nullptr);
           },
-          "b"_a, "k"_a, "v"_a, "rope"_a = false, "rope_base"_a = 10000.0,
+          "b"_a, "k"_a, "v"_a.none(), "rope"_a = false, "rope_base"_a = 10000.0,
           "rope_interleaved"_a = false, "rotary_dim"_a = 0)
       .def("release", &KvCache::release, "b"_a);
 

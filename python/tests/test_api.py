@@ -293,6 +293,28 @@ def test_streaming_kv_cache_decodes_its_sinks_and_window():
                     window_tokens=3)
 
 
+def test_latent_kv_cache_decodes_with_values_from_the_keys():
+    # MLA's latent cache: one row of Dk per token, its first Dv the value.
+    b, dk, dv, n = 2, 96, 64, 13
+    cache = qkv.KvCache(batch=b, kv_heads=1, head_dim=dk, value_dim=dv, capacity=16,
+                        page_size=4, values_in_keys=True)
+    assert cache.values_in_keys and cache.value_token_bytes == cache.key_token_bytes == dk * 4
+    rows = rand(b, n, 1, dk)
+    cache.append(rows, None, counts=[n, n - 5])
+    q = rand(b, 2, 8, dk)
+    out = qkv.decode_attention(q, cache, scale=0.1)
+    assert out.shape == (b, 2, 8, dv)
+    for bb, length in enumerate((n, n - 5)):
+        k = rows[bb:bb + 1, :length]
+        ref, _, _ = reference.attention(q[bb:bb + 1], k, k[..., :dv].copy(), causal=True,
+                                        scale=0.1)
+        assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, k, np.float32)
+    with pytest.raises(ValueError, match="v_new: the cache takes its values from the keys"):
+        cache.append(rows, rows[..., :dv].copy())
+    with pytest.raises(ValueError, match="config.values_in_keys: expected kv_heads 1 .one latent row per token., got 2"):
+        qkv.KvCache(batch=1, kv_heads=2, head_dim=dk, capacity=4, values_in_keys=True)
+
+
 def test_rope_backward_undoes_rope():
     x = rand(2, 5, 3, 8).astype(np.float64)
     y = qkv.apply_rope(x.copy(), [0, 3])

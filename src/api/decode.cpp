@@ -121,6 +121,8 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   // Bytes of one head's stored row, and of a token's (all heads).
   const std::int64_t k_head = stored_bytes(cache.key_storage(), dk);
   const std::int64_t v_head = stored_bytes(cache.value_storage(), dv);
+  // A latent cache's value rows are its key rows (one head).
+  const std::int64_t v_stride = c.values_in_keys ? k_head : v_head;
   auto* kd = static_cast<float*>(k.view().data());
   auto* vd = static_cast<float*>(v.view().data());
   for (std::int64_t b = 0; b < c.batch; ++b) {
@@ -130,7 +132,7 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
       for (std::int64_t h = 0; h < hkv; ++h) {
         cache::dequantize_row(cache.key_storage(), kp + ((j % ps) * hkv + h) * k_head, dk,
                               kd + ((b * longest + j) * hkv + h) * dk);
-        cache::dequantize_row(cache.value_storage(), vp + ((j % ps) * hkv + h) * v_head, dv,
+        cache::dequantize_row(cache.value_storage(), vp + ((j % ps) * hkv + h) * v_stride, dv,
                               vd + ((b * longest + j) * hkv + h) * dv);
       }
     }
@@ -171,6 +173,7 @@ cache::KvView view_of(const KvCache& kv) {
   view.key_storage = kv.key_storage();
   view.value_storage = kv.value_storage();
   view.rotated = c.rotate;
+  view.values_in_keys = c.values_in_keys;
   view.batch = c.batch;
   view.kv_heads = c.kv_heads;
   view.head_dim = c.head_dim;

@@ -48,6 +48,7 @@ struct Pool {
   std::vector<std::int64_t>& free_list;  // min-heap: the lowest free page comes first
   KvStorage key_storage, value_storage;
   bool hadamard;                                // KvCacheConfig::rotate
+  bool values_in_keys;                          // KvCacheConfig::values_in_keys: no value rows
   std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
   std::byte* keys;
   std::byte* values;
@@ -167,9 +168,10 @@ CopyRow writer_for(KvStorage storage, DType dtype) {
 void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
            const RopeConfig* rope) {
   const CopyRow copy_key = writer_for(pool.key_storage, k.dtype());
-  const CopyRow copy_value = writer_for(pool.value_storage, v.dtype());
+  const CopyRow copy_value =
+      pool.values_in_keys ? nullptr : writer_for(pool.value_storage, v.dtype());
   const LoadRow load_key = load_row_for(k.dtype());
-  const LoadRow load_value = load_row_for(v.dtype());
+  const LoadRow load_value = pool.values_in_keys ? nullptr : load_row_for(v.dtype());
   const CopyRow store_key = writer_for(pool.key_storage, DType::f64);
   const CopyRow store_value = writer_for(pool.value_storage, DType::f64);
   std::optional<Rotation> rotation;
@@ -210,6 +212,7 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
         } else {
           copy_key(key_src, k.stride(3), key_dst + h * key_head, pool.head_dim);
         }
+        if (pool.values_in_keys) continue;
         const std::byte* value_src =
             at(v.data(), v.dtype(), bi * v.stride(0) + t * v.stride(1) + h * v.stride(2));
         if (pool.hadamard) {
@@ -336,6 +339,33 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
           to_string(c.window_tokens));
     }
   }
+  if (c.values_in_keys) {
+    if (c.kv_heads != 1) {
+      r.push_back("config.values_in_keys: expected kv_heads 1 (one latent row per token), got " +
+                  to_string(c.kv_heads));
+    }
+    if (c.value_dim > c.head_dim) {
+      r.push_back(
+          "config.values_in_keys: the values are the first value_dim of head_dim "
+          "values: expected value_dim <= head_dim " +
+          to_string(c.head_dim) + ", got " + to_string(c.value_dim));
+    }
+    if (c.value_storage != KvStorage::automatic && c.value_storage != c.key_storage) {
+      r.push_back(std::string("config.value_storage: values_in_keys stores values in the keys' "
+                              "storage: expected automatic or ") +
+                  storage_name(c.key_storage) + ", got " + storage_name(c.value_storage));
+    }
+    if (cache::is_quantized(c.key_storage) && c.value_dim % cache::kQuantBlock != 0) {
+      r.push_back(std::string("config.value_dim: the values of a latent row in ") +
+                  storage_name(c.key_storage) + " are whole blocks: expected a multiple of " +
+                  to_string(cache::kQuantBlock) + ", got " + to_string(c.value_dim));
+    }
+    if (c.rotate) {
+      r.push_back(
+          "config.rotate: not with values_in_keys (the Hadamard transform of the row "
+          "would mix the values with the rest of the key)");
+    }
+  }
   const auto check_storage = [&](const char* field, KvStorage storage, std::int64_t dim,
                                  const char* dim_name) {
     if (storage > KvStorage::q4_0) {
@@ -408,10 +438,12 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   throw_if(r);
 
   key_row_bytes_ = c.kv_heads * stored_bytes(key_storage(), c.head_dim);
-  value_row_bytes_ = c.kv_heads * stored_bytes(value_storage(), dv);
+  // A latent cache's value rows are its key rows (no storage of their own).
+  value_row_bytes_ =
+      c.values_in_keys ? key_row_bytes_ : c.kv_heads * stored_bytes(value_storage(), dv);
   try {
     keys_ = Tensor(DType::boolean, {pages, tokens, key_row_bytes_});
-    values_ = Tensor(DType::boolean, {pages, tokens, value_row_bytes_});
+    values_ = Tensor(DType::boolean, {pages, tokens, c.values_in_keys ? 0 : value_row_bytes_});
   } catch (const std::exception& e) {
     throw Error("config: cannot allocate the storage of keys [" + to_string(pages) + ", " +
                 to_string(tokens) + ", " + to_string(c.kv_heads) + ", " + to_string(c.head_dim) +
@@ -455,6 +487,7 @@ KvStorage KvCache::key_storage() const {
 }
 
 KvStorage KvCache::value_storage() const {
+  if (config_.values_in_keys) return key_storage();
   return config_.value_storage == KvStorage::automatic ? cache::storage_of(config_.dtype)
                                                        : config_.value_storage;
 }
@@ -501,6 +534,21 @@ std::int64_t check_rows(const KvCache& cache, bool batched, ConstTensorView k_ne
                        r);
   };
   check("k_new", k_new, c.head_dim, source, batched ? "[B, n, Hkv, Dk]" : "[n, Hkv, Dk]");
+  if (c.values_in_keys) {
+    // A latent row is its key and its value: nothing else to give.
+    if (v_new.defined()) {
+      r.push_back(
+          "v_new: the cache takes its values from the keys (values_in_keys): expected "
+          "an undefined view, got one of " +
+          to_string(v_new.rank()) + " dimensions");
+    }
+    if (rope != nullptr) {
+      r.push_back(
+          "rope: not with values_in_keys (RoPE would rotate the row's first values, "
+          "which are the values): rotate the row's RoPE part before appending");
+    }
+    return from_k ? n : -1;
+  }
   check("v_new", v_new, cache.value_dim(), source + (from_k ? ", n of k_new" : ""),
         batched ? "[B, n, Hkv, Dv]" : "[n, Hkv, Dv]");
   if (rope != nullptr) detail::check_rope(*rope, c.head_dim, "Dk", r);
@@ -524,6 +572,7 @@ cache::Pool KvCache::pool_() {
               .key_storage = key_storage(),
               .value_storage = value_storage(),
               .hadamard = config_.rotate,
+              .values_in_keys = config_.values_in_keys,
               .key_row_bytes = key_row_bytes_,
               .value_row_bytes = value_row_bytes_,
               .keys = bytes_of(keys_),
@@ -554,7 +603,9 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
   if (counts_ok) check_room("append", pool, rows, r);
   if (r.empty()) {
     check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
-    check_quantizable("v_new", v_new, pool.value_storage, rows, false, pool.hadamard, r);
+    if (!pool.values_in_keys) {
+      check_quantizable("v_new", v_new, pool.value_storage, rows, false, pool.hadamard, r);
+    }
   }
   throw_if(r);
   write(pool, k_new, v_new, rows, rope);
@@ -576,10 +627,15 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
   throw_if(r);
   const ConstTensorView k4(k_new.data(), k_new.dtype(), {batch, n, hkv, config_.head_dim},
                            {0, k_new.stride(0), k_new.stride(1), k_new.stride(2)});
-  const ConstTensorView v4(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
-                           {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
+  const ConstTensorView v4 =
+      config_.values_in_keys
+          ? ConstTensorView{}
+          : ConstTensorView(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
+                            {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
   check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
-  check_quantizable("v_new", v4, pool.value_storage, rows, false, pool.hadamard, r);
+  if (!pool.values_in_keys) {
+    check_quantizable("v_new", v4, pool.value_storage, rows, false, pool.hadamard, r);
+  }
   throw_if(r);
   write(pool, k4, v4, rows, rope);
 }
@@ -618,6 +674,7 @@ const void* KvCache::key_page(std::int64_t b, std::int64_t index) const {
 const void* KvCache::value_page(std::int64_t b, std::int64_t index) const {
   if (b < 0 || b >= config_.batch) throw Error(unknown_sequence("value_page", b, config_.batch));
   const std::int64_t page = page_of("value_page", tables_[b], b, index);
+  if (config_.values_in_keys) return bytes_of(keys_) + page * page_size() * key_row_bytes_;
   return bytes_of(values_) + page * page_size() * value_row_bytes_;
 }
 

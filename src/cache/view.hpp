@@ -20,6 +20,9 @@ struct KvView {
   // Keys and values stored rotated by the Hadamard transform (core/hadamard.hpp):
   // the kernel rotates the queries and un-rotates the outputs.
   bool rotated = false;
+  // A latent cache (KvCacheConfig::values_in_keys, one KV head): a token's
+  // value row is the start of its key row, so values step by the key row.
+  bool values_in_keys = false;
   std::int64_t batch = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
   // Tokens per page (contiguous: capacity). A page holds page_size token
   // rows, keys [Hkv, Dk] and values [Hkv, Dv] each, contiguous.

@@ -448,9 +448,12 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   using KT = typename KTraits::Stored;
   using VT = typename VTraits::Stored;
-  // Stored units of a token's keys [Hkv, Dk] and values [Hkv, Dv].
+  // Stored units of a token's keys [Hkv, Dk] and values [Hkv, Dv] (a latent
+  // cache's values: the key rows, in the same storage).
   const std::int64_t key_row = plan.hkv * cache::HWY_NAMESPACE::Units<KTraits>(plan.dk);
-  const std::int64_t value_row = plan.hkv * cache::HWY_NAMESPACE::Units<VTraits>(plan.dv);
+  const std::int64_t value_row = plan.cache->values_in_keys
+                                     ? key_row
+                                     : plan.hkv * cache::HWY_NAMESPACE::Units<VTraits>(plan.dv);
   const KernelParams& o = plan.params;
   const cache::KvView& cache = *plan.cache;
   const ItemShape sh{lanes,

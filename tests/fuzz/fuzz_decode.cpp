@@ -5,7 +5,7 @@
 // must refuse), apply_rope and apply_rope_backward, with strided and bad
 // views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
 // q4_0), plain or rotated by the Hadamard transform; streaming caches
-// (sinks and window).
+// (sinks and window); latent caches (MLA: values a prefix of the keys).
 //
 // Checks: only qkv::Error escapes; a rejected append or release leaves every
 // length, block table, free page count and stored row as it was; a
@@ -52,7 +52,9 @@ Tensor gather(const KvCache& cache, std::int64_t b, bool keys) {
   const std::int64_t length = cache.length(b);
   const std::int64_t sizes[] = {1, length, cfg.kv_heads, d};
   Tensor t(DType::f32, sizes);
-  const std::int64_t head = qkv::stored_bytes(storage, d);
+  // A head's row stride (a latent cache's values: the key row).
+  const std::int64_t head =
+      (keys ? cache.key_token_bytes() : cache.value_token_bytes()) / cfg.kv_heads;
   auto* dst = static_cast<float*>(t.view().data());
   for (std::int64_t i = 0; i < length; ++i) {
     const auto* page =
@@ -167,6 +169,17 @@ bool fuzz_config(Input& in, KvCacheConfig& c) {
       c.value_dim = in.coin() ? 0 : in.pick(kBlockDims);
     }
   }
+  // A latent cache (MLA), mostly valid: one head, values a prefix of the keys.
+  if (in.one_in(5)) {
+    c.values_in_keys = true;
+    if (!in.one_in(8)) {
+      c.kv_heads = 1;
+      c.rotate = false;
+      c.value_storage = KvStorage::automatic;
+      c.value_dim = in.coin() ? 0 : std::min(c.head_dim, in.pick(kBlockDims));
+      if (qkv::cache::is_quantized(c.key_storage)) c.value_dim = c.head_dim == 64 ? 32 : 0;
+    }
+  }
   // Streaming, mostly valid: paged, capacity 0, sinks in whole pages.
   if (in.one_in(4)) {
     c.page_size = in.one_in(10) ? 0 : in.range(1, 6);
@@ -218,18 +231,26 @@ void fuzz_append(Input& in, KvCache& cache) {
     v_sizes.erase(v_sizes.begin());
   }
   bool must_reject = false;
+  // A latent cache takes no values (mostly none given).
+  const bool no_values = cfg.values_in_keys && !in.one_in(8);
+  if (cfg.values_in_keys && !no_values) must_reject = true;
   if (in.one_in(16)) {
-    auto& sizes = in.coin() ? k_sizes : v_sizes;
-    sizes[static_cast<std::size_t>(in.range(0, static_cast<std::int64_t>(sizes.size()) - 1))] += 1;
+    if (no_values) {
+      k_sizes.back() += 1;  // alone, the keys' row count is theirs to choose
+    } else {
+      auto& sizes = in.coin() ? k_sizes : v_sizes;
+      sizes[static_cast<std::size_t>(in.range(0, static_cast<std::int64_t>(sizes.size()) - 1))] +=
+          1;
+    }
     must_reject = true;
   }
   const DType dtype = qkv::fuzz::floating_dtype(in);
   qkv::fuzz::Values vals = qkv::fuzz::values(in, true);
   vals.infinities = true;
   Arg k = qkv::fuzz::make_input(in, k_sizes, dtype, vals);
-  Arg v = qkv::fuzz::make_input(in, v_sizes, dtype, vals);
+  Arg v = no_values ? Arg{} : qkv::fuzz::make_input(in, v_sizes, dtype, vals);
   if (in.one_in(20)) {
-    Arg& victim = in.coin() ? k : v;
+    Arg& victim = in.coin() || cfg.values_in_keys ? k : v;
     const qkv::fuzz::BadView bad = qkv::fuzz::bad_view(in);
     const bool empty = victim.view.numel() == 0;
     qkv::fuzz::make_bad(in, victim, bad);
@@ -239,6 +260,7 @@ void fuzz_append(Input& in, KvCache& cache) {
   }
   qkv::RopeConfig rope;
   const bool with_rope = in.one_in(4);
+  if (with_rope && cfg.values_in_keys) must_reject = true;
   if (with_rope) {
     rope.base = in.one_in(8) ? in.extreme_real() : 10000.0;
     rope.interleaved = in.coin();
@@ -305,9 +327,12 @@ void fuzz_append(Input& in, KvCache& cache) {
     if (added == 0) continue;
     const std::int64_t start = before.lengths[static_cast<std::size_t>(b)];
     const ConstTensorView k_rows = one ? k.cview() : k.cview().slice(0, b, 1);
-    const ConstTensorView v_rows = one ? v.cview() : v.cview().slice(0, b, 1);
+    // A latent cache's values are its keys' first value_dim.
+    const ConstTensorView v_src = cfg.values_in_keys ? k.cview() : v.cview();
+    const ConstTensorView v_rows = one ? v_src : v_src.slice(0, b, 1);
     const ConstTensorView k_in = one ? k_rows.slice(0, 0, added) : k_rows.slice(1, 0, added);
-    const ConstTensorView v_in = one ? v_rows.slice(0, 0, added) : v_rows.slice(1, 0, added);
+    ConstTensorView v_in = one ? v_rows.slice(0, 0, added) : v_rows.slice(1, 0, added);
+    if (cfg.values_in_keys) v_in = v_in.slice(v_in.rank() - 1, 0, cache.value_dim());
     const Tensor k_stored = qkv::to_dtype(
         after.keys[static_cast<std::size_t>(b)].view().slice(1, start, added), DType::f64);
     const Tensor v_stored = qkv::to_dtype(
