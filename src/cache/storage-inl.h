@@ -12,10 +12,6 @@
 //                       element, or a block of kBlock elements
 //   kBlock              elements per Stored (rows of a head start at a
 //                       Stored: the cache's D is a multiple of kBlock)
-//   kStreamAhead        the kernel's prefetching: true streams the next block's
-//                       token rows during this block's passes (LineStream);
-//                       false fetches keys two tokens ahead and values inside
-//                       the value tiles
 //   Write<S>(src, stride, dst, n)
 //                       n elements of type S (f32, f64, f16, bf16; src
 //                       `stride` elements apart, n a multiple of kBlock)
@@ -65,7 +61,6 @@ template <>
 struct StorageTraits<float> {
   using Stored = float;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr bool kStreamAhead = false;
 
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
@@ -83,7 +78,6 @@ template <>
 struct StorageTraits<hwy::bfloat16_t> {
   using Stored = hwy::bfloat16_t;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr bool kStreamAhead = true;
 
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
@@ -109,7 +103,6 @@ template <>
 struct StorageTraits<hwy::float16_t> {
   using Stored = hwy::float16_t;
   static constexpr std::int64_t kBlock = 1;
-  static constexpr bool kStreamAhead = true;
 
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
@@ -144,7 +137,6 @@ template <class Traits, class Block, void (*kQuantize)(const float*, std::int64_
 struct BlockStorage {
   using Stored = Block;
   static constexpr std::int64_t kBlock = kQuantBlock;
-  static constexpr bool kStreamAhead = true;
 
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {

@@ -50,10 +50,6 @@ constexpr std::int64_t kDecodeBlock = 32;
 // measured slower, up to 1.7x), and the accumulators' load and store per
 // step stay cheap against 8 tokens of FMAs (4 and 2 measured slower).
 constexpr std::int64_t kValueGroup = 8;
-// Bytes ahead of the value tiles' reads that f32 value rows are prefetched:
-// two tiles' lines. 128 measured 61-62% -> 68-69% of the read bandwidth at
-// L = 32768; 256 gained less, 512 nothing, and 1024 lost.
-constexpr std::int64_t kValueAhead = 128;
 
 template <class D>
 HWY_INLINE float Sum(D d, hn::Vec<D> v) {
@@ -199,10 +195,7 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
 // O[u][k * lanes ...] += sum_c p[c * p_stride + u] * values[c][k * lanes ...]
 // for kRows rows and kVecs vectors of columns: the accumulators stay in
 // registers across the block's tokens, each widened value vector serves
-// every row and each broadcast weight every column vector. Value rows of a
-// storage that does not stream ahead (f32), which the score pass does not
-// prefetch, are fetched kValueAhead bytes ahead of each token's read
-// (further along the same token row).
+// every row and each broadcast weight every column vector.
 template <int kRows, int kVecs, class Traits, class D>
 HWY_INLINE void ValueTile(D d, const float* HWY_RESTRICT p, std::int64_t p_stride,
                           const typename Traits::Stored* const* values, std::int64_t offset,
@@ -213,9 +206,6 @@ HWY_INLINE void ValueTile(D d, const float* HWY_RESTRICT p, std::int64_t p_strid
     for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::LoadU(d, o + u * o_stride + k * lanes);
   }
   for (std::int64_t c = 0; c < cols; ++c) {
-    if constexpr (!Traits::kStreamAhead) {
-      hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(values[c] + offset) + kValueAhead);
-    }
     hn::Vec<D> vv[kVecs];
     if constexpr (Traits::kBlock > 1) {
       // The tile's kVecs vectors lie in one block (offset is a multiple of
@@ -239,10 +229,23 @@ HWY_INLINE void ValueTile(D d, const float* HWY_RESTRICT p, std::int64_t p_strid
   }
 }
 
+// Prefetches the line at p into L2 (x86: prefetcht1).
+HWY_INLINE void PrefetchToL2(const void* p) {
+#if HWY_COMPILER_GCC_ACTUAL || HWY_COMPILER_CLANG
+  __builtin_prefetch(p, /*rw=*/0, /*locality=*/2);
+#else
+  hwy::Prefetch(p);
+#endif
+}
+
 // Prefetches the lines of up to kDecodeBlock token rows (row_bytes each), a
 // few lines per call: called once per tile of a pass, it spreads the next
 // block's fetches over this block's arithmetic, so that misses stay in flight
-// throughout instead of arriving in bursts that fill the miss buffers.
+// throughout instead of arriving in bursts that fill the miss buffers. The
+// lines go to L2, not L1: a block's keys and values (64 KiB of f16 at Hkv = 8,
+// D = 128) do not fit L1 beside the block being read, and fetched into L1
+// they were evicted before use (AVX-512 Zen 4: the f16 cache at L = 131072
+// went from 61% to 78% of the read bandwidth, f32 from 63% to 90-96%).
 struct LineStream {
   const std::uint8_t* rows[kDecodeBlock];
   std::int64_t count = 0;      // rows
@@ -263,7 +266,7 @@ struct LineStream {
   }
   HWY_INLINE void Next() {
     for (std::int64_t i = 0; i < per_call && c < count; ++i) {
-      hwy::Prefetch(rows[c] + x);
+      PrefetchToL2(rows[c] + x);
       x += 64;
       if (x >= row_bytes) {
         x = 0;
@@ -317,35 +320,23 @@ struct ItemShape {
 };
 
 // Scores of a block's `cols` tokens, s[c][r] = <q_r, k_c>: two keys at a
-// time against four rows of their KV head. kSpread (the traits'
-// kStreamAhead, 16-bit caches): prefetch the next block's keys through
-// next_keys; otherwise (f32) the keys two tokens ahead (see DecodeItemRun).
+// time against four rows of their KV head, prefetching the next block's
+// keys through next_keys.
 template <class Traits>
 void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
                  const typename Traits::Stored* const* keys, std::int64_t cols,
                  LineStream& next_keys, float* HWY_RESTRICT s) {
   using T = typename Traits::Stored;
-  constexpr bool kSpread = Traits::kStreamAhead;
   const hn::ScalableTag<float> d;
   const std::int64_t head = cache::HWY_NAMESPACE::Units<Traits>(sh.dk);  // Stored per head
-  const std::int64_t key_bytes = sh.hkv * head * static_cast<std::int64_t>(sizeof(T));
   for (std::int64_t c = 0; c < cols; c += 2) {
     const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
-    // f32: software prefetch of the keys two tokens ahead (the value tiles
-    // fetch the values shortly ahead themselves, which measured faster than
-    // fetching them here a block ahead).
-    for (std::int64_t t = c; t < c + pair && !kSpread; ++t) {
-      if (t + 2 < cols) {
-        const auto* next = reinterpret_cast<const std::uint8_t*>(keys[t + 2]);
-        for (std::int64_t x = 0; x < key_bytes; x += 64) hwy::Prefetch(next + x);
-      }
-    }
     for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
       const T* krows[2] = {keys[c] + hk * head, keys[c + pair - 1] + hk * head};
       for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
         WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
           float* out = s + c * sh.rows_pad + r;
-          if constexpr (kSpread) next_keys.Next();
+          next_keys.Next();
           if (pair == 2) {
             ScoreTile<decltype(kRows)::value, 2, Traits>(d, q + r * sh.dk_pad, sh.dk_pad, krows,
                                                          sh.dk, out, sh.rows_pad);
@@ -392,14 +383,13 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
 
 // O += P V for a block's `cols` tokens, per KV head, kValueGroup tokens at
 // a time: tiles of four rows x two vectors of columns, the columns past the
-// last whole vector in scalars. kSpread (the traits' kStreamAhead, 16-bit
-// caches): prefetch the next block's values through next_values.
+// last whole vector in scalars, prefetching the next block's values
+// through next_values.
 template <class Traits>
 void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
                  const typename Traits::Stored* const* values, std::int64_t cols,
                  LineStream& next_values, float* HWY_RESTRICT o_acc) {
   using T = typename Traits::Stored;
-  constexpr bool kSpread = Traits::kStreamAhead;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = sh.lanes, dv = sh.dv, dv_pad = sh.dv_pad, rows_pad = sh.rows_pad;
   const std::int64_t full = dv / lanes * lanes;
@@ -413,12 +403,12 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
           constexpr int kR = decltype(kRows)::value;
           std::int64_t x = 0;
           for (; x + 2 * lanes <= full; x += 2 * lanes) {
-            if constexpr (kSpread) next_values.Next();
+            next_values.Next();
             ValueTile<kR, 2, Traits>(d, sg + r, rows_pad, vg, hk * dv + x, gcols,
                                      o_acc + r * dv_pad + x, dv_pad);
           }
           if (x < full) {
-            if constexpr (kSpread) next_values.Next();
+            next_values.Next();
             ValueTile<kR, 1, Traits>(d, sg + r, rows_pad, vg, hk * dv + x, gcols,
                                      o_acc + r * dv_pad + x, dv_pad);
           }
@@ -512,32 +502,26 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   float* s = sc.s.get();
   const KT* keys[kDecodeBlock];
   const VT* values[kDecodeBlock];
-  // 16-bit caches fetch the next block's keys during this block's score pass
-  // and its values during the value pass, a few lines per tile (LineStream),
-  // instead of keys two tokens ahead and values a block ahead in bursts:
-  // in nine paired comparisons at L = 32768 and 131072 eight gained, +4
-  // points of the read bandwidth on average (39.9-51.2% -> 42.2-53.6%).
-  // f32 caches measured the same at long caches and slower at L = 4096
-  // (short work items start each block unfetched), so they keep the keys
-  // two tokens ahead and the value tiles' own prefetch. Each storage's
-  // traits choose (kStreamAhead), for keys and values apart.
-  constexpr bool kSpread = KTraits::kStreamAhead || VTraits::kStreamAhead;
+  // The next block's keys are fetched during this block's score pass and
+  // its values during the value pass, a few lines per tile (LineStream),
+  // instead of in bursts: on AVX2 (2026-12-04), for the f16 cache, eight of
+  // nine paired comparisons at L = 32768 and 131072 gained, +4 points of the
+  // read bandwidth on average; into L2 since (see LineStream), every storage
+  // streams so, f32 included.
   const std::int64_t tiles_per_head = (sh.head_rows + 3) / 4;
   LineStream next_keys, next_values;
   for (std::int64_t j0 = item.begin; j0 < item.end; j0 += kDecodeBlock) {
     const std::int64_t cols = std::min(kDecodeBlock, item.end - j0);
     token_rows(j0, cols, keys, values);
-    if constexpr (kSpread) {
-      const KT* ahead_keys[kDecodeBlock];
-      const VT* ahead_values[kDecodeBlock];
-      const std::int64_t ahead = std::min(kDecodeBlock, item.end - j0 - cols);
-      if (ahead > 0) token_rows(j0 + cols, ahead, ahead_keys, ahead_values);
-      const std::int64_t score_tiles = (cols + 1) / 2 * sh.hkv * tiles_per_head;
-      const std::int64_t value_tiles = (cols + kValueGroup - 1) / kValueGroup * sh.hkv *
-                                       tiles_per_head * ((sh.dv + 2 * lanes - 1) / (2 * lanes));
-      next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
-      next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
-    }
+    const KT* ahead_keys[kDecodeBlock];
+    const VT* ahead_values[kDecodeBlock];
+    const std::int64_t ahead = std::min(kDecodeBlock, item.end - j0 - cols);
+    if (ahead > 0) token_rows(j0 + cols, ahead, ahead_keys, ahead_values);
+    const std::int64_t score_tiles = (cols + 1) / 2 * sh.hkv * tiles_per_head;
+    const std::int64_t value_tiles = (cols + kValueGroup - 1) / kValueGroup * sh.hkv *
+                                     tiles_per_head * ((sh.dv + 2 * lanes - 1) / (2 * lanes));
+    next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
+    next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
     BlockScores<KTraits>(sh, q, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
