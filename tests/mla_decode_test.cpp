@@ -10,10 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "bad_input.hpp"
+#include "hwy/targets.h"
 #include "test_util.hpp"
 
 namespace {
@@ -157,6 +159,23 @@ TEST(MlaDecode, AbsorbedLatentCacheMatchesTheNaiveForm) {
   }
 }
 
+// A paged latent cache of rows of dk values, the first dv the value, in
+// `storage`; the last tail_dim in tail_storage.
+KvCache latent_cache(std::int64_t batch, std::int64_t dk, std::int64_t dv, std::int64_t capacity,
+                     std::int64_t page_size, KvStorage storage, std::int64_t tail_dim,
+                     KvStorage tail_storage) {
+  return KvCache({.batch = batch,
+                  .kv_heads = 1,
+                  .head_dim = dk,
+                  .value_dim = dv,
+                  .capacity = capacity,
+                  .page_size = page_size,
+                  .key_storage = storage,
+                  .values_in_keys = true,
+                  .tail_dim = tail_dim,
+                  .tail_storage = tail_storage});
+}
+
 // DeepSeek's shape: a 576-value latent row (512 + 64 RoPE), 512-value
 // outputs, 128 heads, split across threads and pages; every storage the
 // latent may have, the kernel against the reference decode over the same
@@ -165,19 +184,25 @@ TEST(MlaDecode, DeepSeekShapeMatchesTheReference) {
   const std::int64_t hq = 128, dk = 576, dv = 512, l = 300, n = 2;
   const Tensor rows = random_tensor(DType::f32, {2, l, 1, dk}, 7);
   const Tensor q = random_tensor(DType::f32, {2, n, hq, dk}, 8);
-  for (const KvStorage storage : {KvStorage::f32, KvStorage::bf16, KvStorage::q8_0}) {
-    SCOPED_TRACE(qkv::storage_name(storage));
-    KvCache cache({.batch = 2,
-                   .kv_heads = 1,
-                   .head_dim = dk,
-                   .value_dim = dv,
-                   .capacity = l,
-                   .page_size = 64,
-                   .key_storage = storage,
-                   .values_in_keys = true});
+  // The storage of the row, and of its RoPE part where it has its own.
+  struct Latent {
+    KvStorage storage;
+    std::int64_t tail_dim;
+    KvStorage tail_storage;
+  };
+  for (const Latent latent :
+       {Latent{KvStorage::f32, 0, KvStorage::bf16}, Latent{KvStorage::bf16, 0, KvStorage::bf16},
+        Latent{KvStorage::q8_0, 0, KvStorage::bf16}, Latent{KvStorage::q8_0, 64, KvStorage::bf16},
+        Latent{KvStorage::q4_0, 64, KvStorage::f16}}) {
+    const KvStorage storage = latent.storage;
+    SCOPED_TRACE(std::string(qkv::storage_name(storage)) + " tail " +
+                 std::to_string(latent.tail_dim));
+    KvCache cache = latent_cache(2, dk, dv, l, 64, storage, latent.tail_dim, latent.tail_storage);
     const std::int64_t counts[] = {l, l - 77};
     cache.append(rows, {}, counts);
     EXPECT_EQ(cache.value_token_bytes(), cache.key_token_bytes());
+    EXPECT_EQ(cache.key_token_bytes(), qkv::stored_bytes(storage, dk - latent.tail_dim) +
+                                           qkv::stored_bytes(latent.tail_storage, latent.tail_dim));
     qkv::AttentionOptions o;
     o.scale = 1.0 / std::sqrt(192.0);
     qkv::AttentionOptions ref = o;
@@ -191,10 +216,68 @@ TEST(MlaDecode, DeepSeekShapeMatchesTheReference) {
     const double delta = 3 * g * *o.scale * norm * norm * max_abs(q) * max_abs(rows);
     const double bound = std::expm1(2 * delta) * max_abs(rows) + 3 * g * norm * max_abs(rows);
     const double diff = max_abs_diff(got, qkv::decode_attention(q, cache, ref).out);
-    std::printf("[ mla ] 128 heads, %s latent: kernel vs reference %.3g (bound %.3g)\n",
-                qkv::storage_name(storage), diff, bound);
+    std::printf("[ mla ] 128 heads, %s latent, tail %lld: kernel vs reference %.3g (bound %.3g)\n",
+                qkv::storage_name(storage), static_cast<long long>(latent.tail_dim), diff, bound);
     EXPECT_LE(diff, bound);
   }
+}
+
+// A quantized latent row whose RoPE part is kept in 16 bits: the tail holds
+// the appended values rounded once to bf16, bit for bit, and a decode whose
+// rows carry large RoPE values (as rotated positions do) moves less from the
+// f32 cache's output than with the whole row quantized. Odd head counts and
+// lengths take the kernel's partial tiles, on every Highway target this CPU
+// runs.
+TEST(MlaDecode, UnquantizedTailKeepsTheRopePart) {
+  const std::int64_t hq = 7, dk = 96, dv = 64, tail = 32, l = 45;
+  Tensor rows = random_tensor(DType::f32, {1, l, 1, dk}, 21);
+  for (std::int64_t j = 0; j < l; ++j) {
+    for (std::int64_t x = dk - tail; x < dk; ++x) {
+      rows.set({0, j, 0, x}, 8.0 * rows.get({0, j, 0, x}));  // a RoPE part with larger values
+    }
+  }
+  const Tensor q = random_tensor(DType::f32, {1, 1, hq, dk}, 22);
+  const auto cache_of = [&](KvStorage storage, std::int64_t tail_dim) {
+    KvCache cache = latent_cache(1, dk, dv, l, 16, storage, tail_dim, KvStorage::bf16);
+    cache.append(rows, {});
+    return cache;
+  };
+  const KvCache exact = cache_of(KvStorage::f32, 0);
+  const KvCache whole = cache_of(KvStorage::q8_0, 0);
+  const KvCache tailed = cache_of(KvStorage::q8_0, tail);
+  for (std::int64_t j = 0; j < l; ++j) {
+    const auto* row = static_cast<const std::byte*>(tailed.key_page(0, j / 16)) +
+                      (j % 16) * tailed.key_token_bytes();
+    const auto* bits =
+        reinterpret_cast<const std::uint16_t*>(row + qkv::stored_bytes(KvStorage::q8_0, dk - tail));
+    for (std::int64_t x = 0; x < tail; ++x) {
+      const float want = static_cast<float>(rows.get({0, j, 0, dk - tail + x}));
+      ASSERT_EQ(bits[x], qkv::to_bf16(want).bits) << "token " << j << ", tail value " << x;
+    }
+  }
+  qkv::AttentionOptions o;
+  o.scale = 0.05;
+  qkv::AttentionOptions ref = o;
+  ref.backend = qkv::Backend::reference;
+  const Tensor want = qkv::decode_attention(q, exact, ref).out;
+  const double whole_error = max_abs_diff(qkv::decode_attention(q, whole, o).out, want);
+  const double tail_error = max_abs_diff(qkv::decode_attention(q, tailed, o).out, want);
+  std::printf("[ mla ] q8_0 latent against f32: whole row %.3g, bf16 RoPE part %.3g\n", whole_error,
+              tail_error);
+  EXPECT_LT(tail_error, whole_error);
+  // The kernel against the reference on the same stored rows (the error
+  // model of DeepSeekShapeMatchesTheReference).
+  const double g = 8 * std::ldexp(1.0, -24);
+  const double norm = std::sqrt(static_cast<double>(dk));
+  const double delta = 3 * g * *o.scale * norm * norm * max_abs(q) * max_abs(rows);
+  const double bound = std::expm1(2 * delta) * max_abs(rows) + 3 * g * norm * max_abs(rows);
+  const Tensor reference = qkv::decode_attention(q, tailed, ref).out;
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    EXPECT_LE(max_abs_diff(qkv::decode_attention(q, tailed, o).out, reference), bound)
+        << hwy::TargetName(target);
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 TEST(MlaDecode, LatentCacheRefusesWhatItCannotHold) {
@@ -228,6 +311,28 @@ TEST(MlaDecode, LatentCacheRefusesWhatItCannotHold) {
   c.head_dim = 64;
   c.value_dim = 32;
   expect_contains(message(c), {"config.rotate: not with values_in_keys"});
+  c = good;
+  c.tail_dim = 32;
+  expect_contains(message(c), {"config.tail_dim: an unquantized tail is for latent caches",
+                               "expected 0, got 32"});
+  c.key_storage = KvStorage::q8_0;
+  c.values_in_keys = false;
+  c.value_dim = 64;
+  expect_contains(message(c), {"config.tail_dim: an unquantized tail", "got 32"});
+  c.values_in_keys = true;
+  EXPECT_NO_THROW(KvCache{c});
+  c.tail_dim = 64;
+  expect_contains(message(c), {"expected 0 <= tail_dim <= head_dim - value_dim = 32, got 64"});
+  c.tail_dim = -1;
+  expect_contains(message(c), {"expected 0 <= tail_dim <= head_dim - value_dim = 32, got -1"});
+  c.tail_dim = std::numeric_limits<std::int64_t>::min();  // no overflow on the way
+  expect_contains(message(c), {"expected 0 <= tail_dim <= head_dim - value_dim = 32, got -9"});
+  c.tail_dim = 16;
+  expect_contains(message(c), {"config.key_storage: q8_0 stores blocks of 32 values: expected "
+                               "head_dim - tail_dim a multiple of 32, got 80"});
+  c.tail_dim = 32;
+  c.tail_storage = KvStorage::f32;
+  expect_contains(message(c), {"config.tail_storage: expected bf16 or f16, got f32"});
 
   KvCache cache(good);
   const Tensor k = random_tensor(DType::f32, {1, 2, 1, 96}, 9);

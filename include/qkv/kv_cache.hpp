@@ -67,6 +67,15 @@ struct KvCacheConfig {
   // take no values (v_new undefined) and no RoPE (rotate the row's RoPE part
   // before appending); no Hadamard rotation.
   bool values_in_keys = false;
+  // A latent cache in a quantized key_storage (q8_0, q4_0) may keep the last
+  // tail_dim values of each row, its RoPE part past the value (DeepSeek: 64
+  // of 576), in tail_storage (bf16 or f16), not quantized, as FlashMLA's and
+  // vLLM's quantized MLA caches do: a row is then (head_dim - tail_dim) / 32
+  // blocks followed by tail_dim 16-bit values. Needs values_in_keys,
+  // tail_dim <= head_dim - value_dim and head_dim - tail_dim a multiple of 32.
+  // 0: the whole row in key_storage.
+  std::int64_t tail_dim = 0;
+  KvStorage tail_storage = KvStorage::bf16;  // the tail's storage: bf16 or f16
 };
 
 class KvCache {

@@ -293,7 +293,8 @@ class KvCache(_qkv.KvCache):
 
     KvCache(batch, kv_heads, head_dim, *, value_dim=0, capacity=0, dtype="float32",
     page_size=0, num_pages=0, k_dtype=None, v_dtype=None, rotate=False,
-    sink_tokens=0, window_tokens=0, values_in_keys=False): contiguous
+    sink_tokens=0, window_tokens=0, values_in_keys=False, tail_dim=0,
+    tail_dtype="bfloat16"): contiguous
     (page_size 0: each sequence owns `capacity` slots) or paged (a pool of
     num_pages pages of page_size tokens; 0 pages = enough for every sequence
     at capacity). Storage dtype "float32", "bfloat16" or "float16";
@@ -313,7 +314,11 @@ class KvCache(_qkv.KvCache):
     RoPE position of the next one).
     values_in_keys=True makes a latent cache (DeepSeek's MLA): kv_heads 1, one
     row of head_dim values per token, whose first value_dim values are its
-    value (stored once); append(k, None) then, rows already rotated.
+    value (stored once); append(k, None) then, rows already rotated. A
+    latent cache in "q8_0" or "q4_0" may keep the last tail_dim values of
+    each row (its RoPE part past the value, DeepSeek's 64) unquantized in
+    tail_dtype ("bfloat16" or "float16"), as FlashMLA does; head_dim -
+    tail_dim a multiple of 32, tail_dim <= head_dim - value_dim.
 
     append(k, v, counts=None, rope=False, rope_base=10000.0,
     rope_interleaved=False, rotary_dim=0): k [B, n, Hkv, Dk], v [B, n, Hkv,

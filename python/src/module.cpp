@@ -228,8 +228,11 @@ NB_MODULE(_qkv, m) {
              std::int64_t value_dim, std::int64_t capacity, const std::string& dtype,
              std::int64_t page_size, std::int64_t num_pages,
              const std::optional<std::string>& k_dtype, const std::optional<std::string>& v_dtype,
-             bool rotate, std::int64_t sink_tokens, std::int64_t window_tokens,
-             bool values_in_keys) {
+             bool rotate, std::int64_t sink_tokens, std::int64_t window_tokens, bool values_in_keys,
+             std::int64_t tail_dim, const std::string& tail_dtype) {
+            if (tail_dtype != "bfloat16" && tail_dtype != "float16") {
+              throw Error("tail_dtype: expected 'bfloat16' or 'float16', got '" + tail_dtype + "'");
+            }
             KvCacheConfig c;
             c.batch = batch;
             c.kv_heads = kv_heads;
@@ -245,12 +248,15 @@ NB_MODULE(_qkv, m) {
             c.sink_tokens = sink_tokens;
             c.window_tokens = window_tokens;
             c.values_in_keys = values_in_keys;
+            c.tail_dim = tail_dim;
+            c.tail_storage = tail_dtype == "float16" ? KvStorage::f16 : KvStorage::bf16;
             new (self) KvCache(c);
           },
           "batch"_a, "kv_heads"_a, "head_dim"_a, nb::kw_only(), "value_dim"_a = 0, "capacity"_a = 0,
           "dtype"_a = "float32", "page_size"_a = 0, "num_pages"_a = 0,
           "k_dtype"_a.none() = nb::none(), "v_dtype"_a.none() = nb::none(), "rotate"_a = false,
-          "sink_tokens"_a = 0, "window_tokens"_a = 0, "values_in_keys"_a = false)
+          "sink_tokens"_a = 0, "window_tokens"_a = 0, "values_in_keys"_a = false, "tail_dim"_a = 0,
+          "tail_dtype"_a = "bfloat16")
       .def_prop_ro("paged", &KvCache::paged)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def_prop_ro("kv_heads", [](const KvCache& c) { return c.config().kv_heads; })
@@ -263,6 +269,9 @@ NB_MODULE(_qkv, m) {
       .def_prop_ro("rotate", [](const KvCache& c) { return c.config().rotate; })
       .def_prop_ro("v_dtype", [](const KvCache& c) { return kv_storage_name(c.value_storage()); })
       .def_prop_ro("values_in_keys", [](const KvCache& c) { return c.config().values_in_keys; })
+      .def_prop_ro("tail_dim", [](const KvCache& c) { return c.config().tail_dim; })
+      .def_prop_ro("tail_dtype",
+                   [](const KvCache& c) { return kv_storage_name(c.config().tail_storage); })
       .def_prop_ro("sink_tokens", [](const KvCache& c) { return c.config().sink_tokens; })
       .def_prop_ro("window_tokens", [](const KvCache& c) { return c.config().window_tokens; })
       .def_prop_ro("key_token_bytes", &KvCache::key_token_bytes)

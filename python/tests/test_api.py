@@ -315,6 +315,30 @@ def test_latent_kv_cache_decodes_with_values_from_the_keys():
         qkv.KvCache(batch=1, kv_heads=2, head_dim=dk, capacity=4, values_in_keys=True)
 
 
+def test_latent_cache_keeps_an_unquantized_rope_tail():
+    # A q8_0 latent row whose last tail_dim values stay in bfloat16.
+    dk, dv, tail, n = 96, 64, 32, 6
+    cache = qkv.KvCache(batch=1, kv_heads=1, head_dim=dk, value_dim=dv, capacity=8,
+                        k_dtype="q8_0", values_in_keys=True, tail_dim=tail)
+    assert (cache.tail_dim, cache.tail_dtype) == (tail, "bfloat16")
+    assert cache.key_token_bytes == (dk - tail) // 32 * 34 + tail * 2
+    rows = rand(1, n, 1, dk)
+    cache.append(rows, None)
+    stored = np.frombuffer(cache.key_page(0, 0), np.uint8).reshape(8, cache.key_token_bytes)
+    tail_bits = stored[:n, (dk - tail) // 32 * 34:].copy().view(np.uint16)
+    bits = rows[0, :, 0, dk - tail:].astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # to bf16, RNE
+    np.testing.assert_array_equal(tail_bits, rounded)
+    out = qkv.decode_attention(rand(1, 1, 4, dk), cache, scale=0.1)
+    assert out.shape == (1, 1, 4, dv) and np.isfinite(out).all()
+    with pytest.raises(ValueError, match="tail_dtype: expected 'bfloat16' or 'float16', got 'float32'"):
+        qkv.KvCache(batch=1, kv_heads=1, head_dim=dk, value_dim=dv, capacity=8, k_dtype="q8_0",
+                    values_in_keys=True, tail_dim=tail, tail_dtype="float32")
+    with pytest.raises(ValueError, match="config.tail_dim: an unquantized tail is for latent caches"):
+        qkv.KvCache(batch=1, kv_heads=1, head_dim=dk, value_dim=dv, capacity=8,
+                    values_in_keys=True, tail_dim=tail)
+
+
 def test_rope_backward_undoes_rope():
     x = rand(2, 5, 3, 8).astype(np.float64)
     y = qkv.apply_rope(x.copy(), [0, 3])

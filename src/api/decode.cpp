@@ -118,8 +118,10 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   Tensor k(DType::f32, {c.batch, longest, hkv, dk});
   Tensor v(DType::f32, {c.batch, longest, hkv, dv});
   const std::int64_t ps = cache.page_size();
-  // Bytes of one head's stored row, and of a token's (all heads).
-  const std::int64_t k_head = stored_bytes(cache.key_storage(), dk);
+  // Bytes of one head's stored row, and of a token's (all heads); a key row
+  // with a tail (KvCacheConfig::tail_dim) holds its last values past the blocks.
+  const std::int64_t tail = c.tail_dim, k_main = stored_bytes(cache.key_storage(), dk - tail);
+  const std::int64_t k_head = k_main + stored_bytes(c.tail_storage, tail);
   const std::int64_t v_head = stored_bytes(cache.value_storage(), dv);
   // A latent cache's value rows are its key rows (one head).
   const std::int64_t v_stride = c.values_in_keys ? k_head : v_head;
@@ -130,8 +132,12 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
       const auto* kp = static_cast<const std::byte*>(cache.key_page(b, j / ps));
       const auto* vp = static_cast<const std::byte*>(cache.value_page(b, j / ps));
       for (std::int64_t h = 0; h < hkv; ++h) {
-        cache::dequantize_row(cache.key_storage(), kp + ((j % ps) * hkv + h) * k_head, dk,
-                              kd + ((b * longest + j) * hkv + h) * dk);
+        const std::byte* key_row = kp + ((j % ps) * hkv + h) * k_head;
+        float* key_out = kd + ((b * longest + j) * hkv + h) * dk;
+        cache::dequantize_row(cache.key_storage(), key_row, dk - tail, key_out);
+        if (tail > 0) {
+          cache::dequantize_row(c.tail_storage, key_row + k_main, tail, key_out + dk - tail);
+        }
         cache::dequantize_row(cache.value_storage(), vp + ((j % ps) * hkv + h) * v_stride, dv,
                               vd + ((b * longest + j) * hkv + h) * dv);
       }
@@ -174,6 +180,10 @@ cache::KvView view_of(const KvCache& kv) {
   view.value_storage = kv.value_storage();
   view.rotated = c.rotate;
   view.values_in_keys = c.values_in_keys;
+  view.tail_dim = c.tail_dim;
+  view.tail_storage = c.tail_storage;
+  view.key_token_bytes = kv.key_token_bytes();
+  view.value_token_bytes = kv.value_token_bytes();
   view.batch = c.batch;
   view.kv_heads = c.kv_heads;
   view.head_dim = c.head_dim;

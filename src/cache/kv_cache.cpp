@@ -49,6 +49,8 @@ struct Pool {
   KvStorage key_storage, value_storage;
   bool hadamard;                                // KvCacheConfig::rotate
   bool values_in_keys;                          // KvCacheConfig::values_in_keys: no value rows
+  std::int64_t tail_dim;                        // KvCacheConfig::tail_dim: last key values
+  KvStorage tail_storage;                       // stored in this (bf16, f16), past the blocks
   std::int64_t key_row_bytes, value_row_bytes;  // bytes of a token's [Hkv, D]
   std::byte* keys;
   std::byte* values;
@@ -174,6 +176,13 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
   const LoadRow load_value = pool.values_in_keys ? nullptr : load_row_for(v.dtype());
   const CopyRow store_key = writer_for(pool.key_storage, DType::f64);
   const CopyRow store_value = writer_for(pool.value_storage, DType::f64);
+  // A key row's values in key_storage, then its tail (tail_dim values in
+  // tail_storage, from byte tail_at of the head's row).
+  const std::int64_t key_main = pool.head_dim - pool.tail_dim;
+  const std::int64_t tail_at = stored_bytes(pool.key_storage, key_main);
+  const bool tail = pool.tail_dim > 0;
+  const CopyRow copy_tail = tail ? writer_for(pool.tail_storage, k.dtype()) : nullptr;
+  const CopyRow store_tail = tail ? writer_for(pool.tail_storage, DType::f64) : nullptr;
   std::optional<Rotation> rotation;
   if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
   // Rows rotated (RoPE, Hadamard) in double on the way in.
@@ -208,9 +217,15 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
           load_key(key_src, k.stride(3), row.data(), pool.head_dim);
           if (rotation) rotation->rotate(row.data());
           if (pool.hadamard) detail::hadamard(row.data(), pool.head_dim);
-          store_key(row.data(), 1, key_dst + h * key_head, pool.head_dim);
+          store_key(row.data(), 1, key_dst + h * key_head, key_main);
+          if (tail)
+            store_tail(row.data() + key_main, 1, key_dst + h * key_head + tail_at, pool.tail_dim);
         } else {
-          copy_key(key_src, k.stride(3), key_dst + h * key_head, pool.head_dim);
+          copy_key(key_src, k.stride(3), key_dst + h * key_head, key_main);
+          if (tail) {
+            copy_tail(at(key_src, k.dtype(), key_main * k.stride(3)), k.stride(3),
+                      key_dst + h * key_head + tail_at, pool.tail_dim);
+          }
         }
         if (pool.values_in_keys) continue;
         const std::byte* value_src =
@@ -248,7 +263,7 @@ double storage_limit(KvStorage storage) {
 // Hadamard transform (orthogonal) has no value above its Euclidean norm, to
 // which the limit then applies. `name` is [B, n, Hkv, D].
 void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, const Counts& counts,
-                       bool rope, bool hadamard, Reasons& r) {
+                       bool rope, bool hadamard, Reasons& r, std::int64_t tail = 0) {
   if (!cache::is_quantized(storage)) return;
   const double limit = storage_limit(storage);
   const double value_limit = hadamard ? HUGE_VAL : rope ? limit / std::sqrt(2.0) : limit;
@@ -261,7 +276,7 @@ void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, c
         load(at(t.data(), t.dtype(), b * t.stride(0) + i * t.stride(1) + h * t.stride(2)),
              t.stride(3), row.data(), t.size(3));
         double norm2 = 0.0;
-        for (std::int64_t x = 0; x < t.size(3); ++x) {
+        for (std::int64_t x = 0; x < t.size(3) - tail; ++x) {
           const double value = row[static_cast<std::size_t>(x)];
           norm2 += value * value;
           if (!(std::fabs(value) <= value_limit)) {
@@ -366,6 +381,26 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
           "would mix the values with the rest of the key)");
     }
   }
+  if (c.tail_dim != 0) {
+    const std::int64_t dv = c.value_dim == 0 ? c.head_dim : c.value_dim;
+    if (!c.values_in_keys || !cache::is_quantized(c.key_storage)) {
+      r.push_back(
+          "config.tail_dim: an unquantized tail is for latent caches (values_in_keys) in a "
+          "quantized key_storage (q8_0, q4_0): expected 0, got " +
+          to_string(c.tail_dim));
+    } else if (c.tail_dim < 0 || c.tail_dim > c.head_dim - dv) {
+      r.push_back(
+          "config.tail_dim: the tail lies past the value: expected 0 <= tail_dim <= "
+          "head_dim - value_dim = " +
+          to_string(c.head_dim - dv) + ", got " + to_string(c.tail_dim));
+    }
+    if (c.tail_storage != KvStorage::bf16 && c.tail_storage != KvStorage::f16) {
+      r.push_back(std::string("config.tail_storage: expected bf16 or f16, got ") +
+                  (c.tail_storage <= KvStorage::q4_0
+                       ? std::string(storage_name(c.tail_storage))
+                       : "value " + to_string(static_cast<int>(c.tail_storage))));
+    }
+  }
   const auto check_storage = [&](const char* field, KvStorage storage, std::int64_t dim,
                                  const char* dim_name) {
     if (storage > KvStorage::q4_0) {
@@ -389,7 +424,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
       }
     }
   }
-  check_storage("key_storage", c.key_storage, c.head_dim, "head_dim");
+  // The blocks of a key row end where its tail starts (a tail out of range
+  // was refused above).
+  const bool tail = c.tail_dim > 0 && c.tail_dim <= c.head_dim;
+  check_storage("key_storage", c.key_storage, tail ? c.head_dim - c.tail_dim : c.head_dim,
+                tail ? "head_dim - tail_dim" : "head_dim");
   check_storage("value_storage", c.value_storage, c.value_dim == 0 ? c.head_dim : c.value_dim,
                 c.value_dim == 0 ? "value_dim (0: head_dim)" : "value_dim");
   const bool dtype_used =
@@ -437,7 +476,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   }
   throw_if(r);
 
-  key_row_bytes_ = c.kv_heads * stored_bytes(key_storage(), c.head_dim);
+  key_row_bytes_ = c.kv_heads * (stored_bytes(key_storage(), c.head_dim - c.tail_dim) +
+                                 stored_bytes(c.tail_storage, c.tail_dim));
   // A latent cache's value rows are its key rows (no storage of their own).
   value_row_bytes_ =
       c.values_in_keys ? key_row_bytes_ : c.kv_heads * stored_bytes(value_storage(), dv);
@@ -573,6 +613,8 @@ cache::Pool KvCache::pool_() {
               .value_storage = value_storage(),
               .hadamard = config_.rotate,
               .values_in_keys = config_.values_in_keys,
+              .tail_dim = config_.tail_dim,
+              .tail_storage = config_.tail_storage,
               .key_row_bytes = key_row_bytes_,
               .value_row_bytes = value_row_bytes_,
               .keys = bytes_of(keys_),
@@ -602,7 +644,8 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
   if (r.empty()) {
-    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
+    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, pool.hadamard, r,
+                      pool.tail_dim);
     if (!pool.values_in_keys) {
       check_quantizable("v_new", v_new, pool.value_storage, rows, false, pool.hadamard, r);
     }
@@ -632,7 +675,8 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
           ? ConstTensorView{}
           : ConstTensorView(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
                             {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
-  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, pool.hadamard, r);
+  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, pool.hadamard, r,
+                    pool.tail_dim);
   if (!pool.values_in_keys) {
     check_quantizable("v_new", v4, pool.value_storage, rows, false, pool.hadamard, r);
   }

@@ -23,6 +23,13 @@ struct KvView {
   // A latent cache (KvCacheConfig::values_in_keys, one KV head): a token's
   // value row is the start of its key row, so values step by the key row.
   bool values_in_keys = false;
+  // A latent cache's last tail_dim key values, stored past the row's blocks
+  // in tail_storage (bf16 or f16; KvCacheConfig::tail_dim); 0: none.
+  std::int64_t tail_dim = 0;
+  KvStorage tail_storage = KvStorage::bf16;
+  // Bytes of a token's keys [Hkv, Dk] and values [Hkv, Dv] as stored: the
+  // token rows' stride in a page (a latent cache: both the key row's).
+  std::int64_t key_token_bytes = 0, value_token_bytes = 0;
   std::int64_t batch = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
   // Tokens per page (contiguous: capacity). A page holds page_size token
   // rows, keys [Hkv, Dk] and values [Hkv, Dv] each, contiguous.

@@ -98,13 +98,14 @@ HWY_INLINE void KeepInRegister(V& v) {
 }
 
 // Scores of kRows consecutive query rows (q, dk_pad apart) against kTokens
-// keys: out[t * out_stride + u] = q_u . keys[t]. Each key vector is widened
+// keys: out[t * out_stride + u] = q_u . keys[t] (kAccumulate: +=), over dk
+// values. Each key vector is widened
 // once for the kRows rows; the kRows x kTokens sums are reduced together.
 // Not inlined, with the query vectors pinned in registers: inside the item
 // loop GCC folded a load of each query vector into every FMA that used it
 // (10 loads per 8 FMAs; now 6). With the cache in L3 (L = 1024, one thread)
 // an f16 call went from 0.378 to 0.356 ms.
-template <int kRows, int kTokens, class Traits, class D>
+template <int kRows, int kTokens, class Traits, bool kAccumulate = false, class D>
 HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pad,
                             const typename Traits::Stored* const* keys, std::int64_t dk,
                             float* HWY_RESTRICT out, std::int64_t out_stride) {
@@ -154,12 +155,17 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
     }
   }
   // Past dk the key row holds the next head: the last partial vector is
-  // summed in scalars.
-  HWY_ALIGN float tail[kTokens][4] = {};
+  // summed in scalars, onto out's scores where accumulating.
+  HWY_ALIGN float scalar[kTokens][4] = {};
+  if constexpr (kAccumulate) {
+    for (int t = 0; t < kTokens; ++t) {
+      for (int u = 0; u < kRows; ++u) scalar[t][u] = out[t * out_stride + u];
+    }
+  }
   for (; x < dk; ++x) {
     for (int t = 0; t < kTokens; ++t) {
       const float kx = Traits::LoadOne(keys[t], x);
-      for (int u = 0; u < kRows; ++u) tail[t][u] += kx * q[u * dk_pad + x];
+      for (int u = 0; u < kRows; ++u) scalar[t][u] += kx * q[u * dk_pad + x];
     }
   }
 #if HWY_TARGET != HWY_SCALAR
@@ -175,20 +181,20 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
       }
       const auto sums = Reduce4Blocks(d, e[0], e[1], e[2], e[3]);
       const hn::Half<D> dh;
-      hn::StoreU(hn::Add(hn::LowerHalf(dh, sums), hn::Load(d4, tail[0])), d4, out);
-      hn::StoreU(hn::Add(hn::UpperHalf(dh, sums), hn::Load(d4, tail[1])), d4, out + out_stride);
+      hn::StoreU(hn::Add(hn::LowerHalf(dh, sums), hn::Load(d4, scalar[0])), d4, out);
+      hn::StoreU(hn::Add(hn::UpperHalf(dh, sums), hn::Load(d4, scalar[1])), d4, out + out_stride);
     } else {
       for (int t = 0; t < kTokens; ++t) {
         const auto sums = Reduce4Blocks(d4, FoldTo128(d, acc[t][0]), FoldTo128(d, acc[t][1]),
                                         FoldTo128(d, acc[t][2]), FoldTo128(d, acc[t][3]));
-        hn::StoreU(hn::Add(sums, hn::Load(d4, tail[t])), d4, out + t * out_stride);
+        hn::StoreU(hn::Add(sums, hn::Load(d4, scalar[t])), d4, out + t * out_stride);
       }
     }
     return;
   }
 #endif
   for (int t = 0; t < kTokens; ++t) {
-    for (int u = 0; u < kRows; ++u) out[t * out_stride + u] = Sum(d, acc[t][u]) + tail[t][u];
+    for (int u = 0; u < kRows; ++u) out[t * out_stride + u] = Sum(d, acc[t][u]) + scalar[t][u];
   }
 }
 
@@ -314,35 +320,74 @@ struct DecodeScratch {
 
 // The shape of one work item's tiles: rows r = h * n + t over all query
 // heads, head_rows = rows / Hkv per KV head; scores s[c][r] with row stride
-// rows_pad; queries [rows][dk_pad]; the output accumulator [rows][dv_pad].
+// rows_pad; queries [rows][dk_pad]; the output accumulator [rows][dv_pad];
+// key_head bytes per head's key row, of which a latent row's last `tail`
+// values lie from byte tail_at in tail_storage (cache::KvView::tail_dim).
 struct ItemShape {
   std::int64_t lanes, hkv, rows, head_rows, rows_pad, dk, dk_pad, dv, dv_pad;
+  std::int64_t key_head, tail, tail_at;
+  KvStorage tail_storage;
 };
+
+// Adds to the scores of kRows rows against kTokens key rows (rows[t]: a
+// head's row as bytes) their tails' products; q is the rows' tail part.
+template <int kRows, int kTokens, class D>
+HWY_INLINE void TailScores(D d, const ItemShape& sh, const float* HWY_RESTRICT q,
+                           const std::byte* const* rows, float* HWY_RESTRICT out) {
+  const auto run = [&](auto traits) {
+    using Traits = decltype(traits);
+    const typename Traits::Stored* tails[kTokens];
+    for (int t = 0; t < kTokens; ++t) {
+      tails[t] = reinterpret_cast<const typename Traits::Stored*>(rows[t] + sh.tail_at);
+    }
+    ScoreTile<kRows, kTokens, Traits, true>(d, q, sh.dk_pad, tails, sh.tail, out, sh.rows_pad);
+  };
+  if (sh.tail_storage == KvStorage::f16) {
+    run(cache::HWY_NAMESPACE::StorageTraits<hwy::float16_t>{});
+  } else {
+    run(cache::HWY_NAMESPACE::StorageTraits<hwy::bfloat16_t>{});
+  }
+}
 
 // Scores of a block's `cols` tokens, s[c][r] = <q_r, k_c>: two keys at a
 // time against four rows of their KV head, prefetching the next block's
-// keys through next_keys.
+// keys through next_keys. A key row with a tail (blocks only) is scored over
+// its blocks, then its tail added (TailScores); the tail starts at a
+// multiple of 32 values, so the queries' vectors there stay aligned.
 template <class Traits>
 void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
                  const typename Traits::Stored* const* keys, std::int64_t cols,
                  LineStream& next_keys, float* HWY_RESTRICT s) {
   using T = typename Traits::Stored;
   const hn::ScalableTag<float> d;
-  const std::int64_t head = cache::HWY_NAMESPACE::Units<Traits>(sh.dk);  // Stored per head
+  const std::int64_t lead = sh.dk - sh.tail;  // values in Traits' storage
   for (std::int64_t c = 0; c < cols; c += 2) {
     const std::int64_t pair = std::min<std::int64_t>(2, cols - c);
     for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
-      const T* krows[2] = {keys[c] + hk * head, keys[c + pair - 1] + hk * head};
+      const std::byte* rows[2] = {
+          reinterpret_cast<const std::byte*>(keys[c]) + hk * sh.key_head,
+          reinterpret_cast<const std::byte*>(keys[c + pair - 1]) + hk * sh.key_head};
+      const T* krows[2] = {reinterpret_cast<const T*>(rows[0]),
+                           reinterpret_cast<const T*>(rows[1])};
       for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
         WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
+          constexpr int kR = decltype(kRows)::value;
           float* out = s + c * sh.rows_pad + r;
+          const float* qr = q + r * sh.dk_pad;
           next_keys.Next();
           if (pair == 2) {
-            ScoreTile<decltype(kRows)::value, 2, Traits>(d, q + r * sh.dk_pad, sh.dk_pad, krows,
-                                                         sh.dk, out, sh.rows_pad);
+            ScoreTile<kR, 2, Traits>(d, qr, sh.dk_pad, krows, lead, out, sh.rows_pad);
           } else {
-            ScoreTile<decltype(kRows)::value, 1, Traits>(d, q + r * sh.dk_pad, sh.dk_pad, krows,
-                                                         sh.dk, out, sh.rows_pad);
+            ScoreTile<kR, 1, Traits>(d, qr, sh.dk_pad, krows, lead, out, sh.rows_pad);
+          }
+          if constexpr (Traits::kBlock > 1) {
+            if (sh.tail > 0) {
+              if (pair == 2) {
+                TailScores<kR, 2>(d, sh, qr + lead, rows, out);
+              } else {
+                TailScores<kR, 1>(d, sh, qr + lead, rows, out);
+              }
+            }
           }
         });
       }
@@ -438,23 +483,25 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   using KT = typename KTraits::Stored;
   using VT = typename VTraits::Stored;
-  // Stored units of a token's keys [Hkv, Dk] and values [Hkv, Dv] (a latent
-  // cache's values: the key rows, in the same storage).
-  const std::int64_t key_row = plan.hkv * cache::HWY_NAMESPACE::Units<KTraits>(plan.dk);
-  const std::int64_t value_row = plan.cache->values_in_keys
-                                     ? key_row
-                                     : plan.hkv * cache::HWY_NAMESPACE::Units<VTraits>(plan.dv);
   const KernelParams& o = plan.params;
   const cache::KvView& cache = *plan.cache;
-  const ItemShape sh{lanes,
-                     plan.hkv,
-                     plan.rows,
-                     plan.rows / plan.hkv,
-                     RoundUp(plan.rows, lanes),
-                     plan.dk,
-                     RoundUp(plan.dk, lanes),
-                     plan.dv,
-                     plan.dv_pad};
+  // Bytes of a token's keys [Hkv, Dk] and values [Hkv, Dv] (a latent
+  // cache's values: the key rows, in the same storage).
+  const std::int64_t key_bytes = cache.key_token_bytes;
+  const std::int64_t value_bytes = cache.value_token_bytes;
+  const ItemShape sh{.lanes = lanes,
+                     .hkv = plan.hkv,
+                     .rows = plan.rows,
+                     .head_rows = plan.rows / plan.hkv,
+                     .rows_pad = RoundUp(plan.rows, lanes),
+                     .dk = plan.dk,
+                     .dk_pad = RoundUp(plan.dk, lanes),
+                     .dv = plan.dv,
+                     .dv_pad = plan.dv_pad,
+                     .key_head = key_bytes / plan.hkv,
+                     .tail = cache.tail_dim,
+                     .tail_at = stored_bytes(cache.key_storage, plan.dk - cache.tail_dim),
+                     .tail_storage = cache.tail_storage};
   const std::int64_t length = cache.length(item.b);
   const std::int64_t ps = cache.page_size;
   float* o_acc = plan.partial_o.data() + item.slot * sh.rows * sh.dv_pad;
@@ -488,17 +535,15 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   auto token_rows = [&](std::int64_t j0, std::int64_t cols, const KT** keys, const VT** values) {
     std::int64_t page = j0 / ps, row = j0 % ps;
     for (std::int64_t c = 0; c < cols; ++page, row = 0) {
-      const auto* k = reinterpret_cast<const KT*>(cache.key_page(item.b, page));
-      const auto* v = reinterpret_cast<const VT*>(cache.value_page(item.b, page));
+      const std::byte* k = cache.key_page(item.b, page);
+      const std::byte* v = cache.value_page(item.b, page);
       for (; row < ps && c < cols; ++row, ++c) {
-        keys[c] = k + row * key_row;
-        values[c] = v + row * value_row;
+        keys[c] = reinterpret_cast<const KT*>(k + row * key_bytes);
+        values[c] = reinterpret_cast<const VT*>(v + row * value_bytes);
       }
     }
   };
 
-  const std::int64_t key_bytes = key_row * static_cast<std::int64_t>(sizeof(KT));
-  const std::int64_t value_bytes = value_row * static_cast<std::int64_t>(sizeof(VT));
   float* s = sc.s.get();
   const KT* keys[kDecodeBlock];
   const VT* values[kDecodeBlock];

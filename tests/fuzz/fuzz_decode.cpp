@@ -21,6 +21,7 @@
 // thread count and for the allocating call; apply_rope_backward undoes
 // apply_rope.
 #include <cmath>
+#include <tuple>
 
 #include "api/validate.hpp"
 #include "cache/formats.hpp"
@@ -61,9 +62,15 @@ Tensor gather(const KvCache& cache, std::int64_t b, bool keys) {
         static_cast<const std::byte*>(keys ? cache.key_page(b, i / cache.page_size())
                                            : cache.value_page(b, i / cache.page_size()));
     for (std::int64_t h = 0; h < cfg.kv_heads; ++h) {
-      qkv::cache::dequantize_row(storage,
-                                 page + ((i % cache.page_size()) * cfg.kv_heads + h) * head, d,
-                                 dst + (i * cfg.kv_heads + h) * d);
+      // A key row with a tail: its last tail_dim values past the blocks.
+      const std::int64_t tail = keys ? cfg.tail_dim : 0;
+      const std::byte* row = page + ((i % cache.page_size()) * cfg.kv_heads + h) * head;
+      float* out = dst + (i * cfg.kv_heads + h) * d;
+      qkv::cache::dequantize_row(storage, row, d - tail, out);
+      if (tail > 0) {
+        qkv::cache::dequantize_row(cfg.tail_storage, row + qkv::stored_bytes(storage, d - tail),
+                                   tail, out + d - tail);
+      }
     }
   }
   return t;
@@ -178,6 +185,12 @@ bool fuzz_config(Input& in, KvCacheConfig& c) {
       c.value_storage = KvStorage::automatic;
       c.value_dim = in.coin() ? 0 : std::min(c.head_dim, in.pick(kBlockDims));
       if (qkv::cache::is_quantized(c.key_storage)) c.value_dim = c.head_dim == 64 ? 32 : 0;
+    }
+    // Its RoPE part unquantized, mostly where it may be.
+    if (in.coin()) {
+      c.tail_dim = in.one_in(8) ? in.extreme_int() : in.pick(kBlockDims) / 2;
+      c.tail_storage = in.one_in(8) ? static_cast<KvStorage>(in.range(0, 255))
+                                    : (in.coin() ? KvStorage::bf16 : KvStorage::f16);
     }
   }
   // Streaming, mostly valid: paged, capacity 0, sinks in whole pages.
@@ -337,13 +350,24 @@ void fuzz_append(Input& in, KvCache& cache) {
         after.keys[static_cast<std::size_t>(b)].view().slice(1, start, added), DType::f64);
     const Tensor v_stored = qkv::to_dtype(
         after.values[static_cast<std::size_t>(b)].view().slice(1, start, added), DType::f64);
-    const Tensor k_want = stored_as(k_in, cache.key_storage());
     const Tensor v_want = stored_as(v_in, cache.value_storage());
-    for (std::int64_t i = 0; i < added * cfg.kv_heads * cfg.head_dim; ++i) {
-      const double* x = static_cast<const double*>(k_stored.view().data());
-      const double* y = static_cast<const double*>(k_want.view().data());
-      require(x[i] == y[i] || (std::isnan(x[i]) && std::isnan(y[i])),
-              "an appended key is not its input rounded once");
+    // A key row's values before its tail in the key storage, the tail's in
+    // its own.
+    const std::int64_t tail = cfg.tail_dim, lead = cfg.head_dim - tail;
+    const auto part = [&](ConstTensorView t, std::int64_t start, std::int64_t n) {
+      return qkv::to_dtype(t.slice(t.rank() - 1, start, n), DType::f64);
+    };
+    for (const auto& [from, n, storage] : {std::tuple{std::int64_t{0}, lead, cache.key_storage()},
+                                           std::tuple{lead, tail, cfg.tail_storage}}) {
+      if (n == 0) continue;
+      const Tensor got = part(k_stored.view(), from, n);
+      const Tensor want = stored_as(part(k_in, from, n).view(), storage);
+      const double* x = static_cast<const double*>(got.view().data());
+      const double* y = static_cast<const double*>(want.view().data());
+      for (std::int64_t i = 0; i < added * cfg.kv_heads * n; ++i) {
+        require(x[i] == y[i] || (std::isnan(x[i]) && std::isnan(y[i])),
+                "an appended key is not its input rounded once");
+      }
     }
     for (std::int64_t i = 0; i < added * cfg.kv_heads * cache.value_dim(); ++i) {
       const double* x = static_cast<const double*>(v_stored.view().data());
