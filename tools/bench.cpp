@@ -68,9 +68,15 @@ struct Case {
   // Decode: the KvCache's storage; Nq is the new queries per sequence and Nk
   // the cache length L (queries, in `dtype`, see all L keys).
   KvStorage cache_storage = KvStorage::f32;
+  // Decode: tokens per page of a paged cache (the pool's pages taken in the
+  // order the fill appends them); 0: contiguous.
+  std::int64_t page_size = 0;
   // Decode: a latent cache (MLA, KvCacheConfig::values_in_keys; Hkv 1): each
   // row of D values is the key, its first dv the value. 0: values of D apart.
   std::int64_t latent_dv = 0;
+  // Decode, latent: the row's last values kept in bf16 past its blocks
+  // (KvCacheConfig::tail_dim, the RoPE part); 0: the whole row in the storage.
+  std::int64_t latent_tail = 0;
 };
 
 // A sequence length divided by --shrink (at least 1).
@@ -160,38 +166,58 @@ std::vector<Case> backward_cases(int shrink) {
 
 // The decode suite: one new query per sequence against a cache of L tokens,
 // with the heads of Llama 3 8B (32 query heads sharing 8 KV heads of 128), the
-// cache in f32, f16 (half the bytes to read) and ggml's q8_0 and q4_0 blocks
-// (8.5 and 4.5 bits per value), queries in f32. Every case reads each cached
-// byte once per step, so memory bandwidth bounds it.
+// cache in f32, bf16, f16 (half the bytes to read) and ggml's q8_0 and q4_0
+// blocks (8.5 and 4.5 bits per value), queries in f32; the 16-bit and f32
+// caches also at B = 4 and paged (16 tokens per page, vLLM's default). Every
+// case reads each cached byte once per step, so memory bandwidth bounds it.
 std::vector<Case> decode_cases(int shrink) {
   struct Shape {
-    std::int64_t b, l;
+    std::int64_t b, l, page_size;
   };
   std::vector<Case> cases;
+  const auto add = [&](KvStorage storage, Shape shape) {
+    const std::int64_t l = shrunk(shape.l, shrink);
+    const std::string paged =
+        shape.page_size > 0 ? "paged" + std::to_string(shape.page_size) + "/" : "";
+    cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/" + paged + "B" +
+                             std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
+                             "/D128/n1",
+                     .pass = Pass::decode,
+                     .b = shape.b,
+                     .hq = 32,
+                     .hkv = 8,
+                     .nq = 1,
+                     .nk = l,
+                     .d = 128,
+                     .causal = true,
+                     .naive = false,
+                     .cache_storage = storage,
+                     .page_size = shape.page_size});
+  };
   for (const KvStorage storage :
-       {KvStorage::f32, KvStorage::f16, KvStorage::q8_0, KvStorage::q4_0}) {
-    for (const Shape shape : {Shape{1, 4096}, Shape{1, 32768}, Shape{1, 131072}, Shape{16, 4096}}) {
-      const std::int64_t l = shrunk(shape.l, shrink);
-      cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/B" +
-                               std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
-                               "/D128/n1",
-                       .pass = Pass::decode,
-                       .b = shape.b,
-                       .hq = 32,
-                       .hkv = 8,
-                       .nq = 1,
-                       .nk = l,
-                       .d = 128,
-                       .causal = true,
-                       .naive = false,
-                       .cache_storage = storage});
+       {KvStorage::f32, KvStorage::bf16, KvStorage::f16, KvStorage::q8_0, KvStorage::q4_0}) {
+    for (const Shape shape :
+         {Shape{1, 4096, 0}, Shape{1, 32768, 0}, Shape{1, 131072, 0}, Shape{16, 4096, 0}}) {
+      add(storage, shape);
+    }
+  }
+  for (const KvStorage storage : {KvStorage::f32, KvStorage::bf16, KvStorage::f16}) {
+    for (const Shape shape : {Shape{4, 32768, 0}, Shape{1, 32768, 16}, Shape{4, 32768, 16}}) {
+      add(storage, shape);
     }
   }
   // DeepSeek's MLA, absorbed: 128 query heads against one latent row of 576
-  // (512 + 64 RoPE) per token, the first 512 the value; bf16 and q8_0.
-  for (const KvStorage storage : {KvStorage::bf16, KvStorage::q8_0}) {
+  // (512 + 64 RoPE) per token, the first 512 the value; bf16, q8_0, and q8_0
+  // with the RoPE part in bf16.
+  struct Latent {
+    KvStorage storage;
+    std::int64_t tail;
+  };
+  for (const Latent latent :
+       {Latent{KvStorage::bf16, 0}, Latent{KvStorage::q8_0, 0}, Latent{KvStorage::q8_0, 64}}) {
     const std::int64_t l = shrunk(32768, shrink);
-    cases.push_back({.name = "dec/mla/" + std::string(storage_name(storage)) + "/B1/Hq128/L" +
+    cases.push_back({.name = "dec/mla/" + std::string(storage_name(latent.storage)) +
+                             (latent.tail > 0 ? "+bf16rope" : "") + "/B1/Hq128/L" +
                              std::to_string(l) + "/D576/Dv512/n1",
                      .pass = Pass::decode,
                      .b = 1,
@@ -202,8 +228,9 @@ std::vector<Case> decode_cases(int shrink) {
                      .d = 576,
                      .causal = true,
                      .naive = false,
-                     .cache_storage = storage,
-                     .latent_dv = 512});
+                     .cache_storage = latent.storage,
+                     .latent_dv = 512,
+                     .latent_tail = latent.tail});
   }
   return cases;
 }
@@ -325,11 +352,15 @@ constexpr std::int64_t kFillRows = 4096;
 // Bytes a decode case's cache holds: B * L * Hkv * (Dk + Dv) stored values
 // (a latent cache: B * L rows of D).
 std::int64_t cache_bytes(const Case& c) {
-  if (c.latent_dv > 0) return c.b * c.nk * stored_bytes(c.cache_storage, c.d);
+  if (c.latent_dv > 0) {
+    return c.b * c.nk *
+           (stored_bytes(c.cache_storage, c.d - c.latent_tail) +
+            stored_bytes(KvStorage::bf16, c.latent_tail));
+  }
   return c.b * c.nk * c.hkv * 2 * stored_bytes(c.cache_storage, c.d);
 }
 
-// Makes `cache` a contiguous cache holding L tokens per sequence: uniform
+// Makes `cache` a cache (contiguous, or paged by the case) holding L tokens per sequence: uniform
 // [-1, 1) keys and values drawn in f32 and rounded once to the storage dtype
 // by append(). Returns why not where the cache does not fit in memory (the
 // case is then skipped, not failed, so that a smaller machine still measures
@@ -350,9 +381,11 @@ std::string fill_cache(const Case& c, std::mt19937& rng, std::optional<KvCache>&
                                 .head_dim = c.d,
                                 .value_dim = c.latent_dv,
                                 .capacity = c.nk,
+                                .page_size = c.page_size,
                                 .key_storage = c.cache_storage,
                                 .value_storage = c.cache_storage,
-                                .values_in_keys = latent});
+                                .values_in_keys = latent,
+                                .tail_dim = c.latent_tail});
     for (std::int64_t t = 0; t < c.nk; t += chunk) {
       const std::int64_t n = std::min(chunk, c.nk - t);
       const Tensor k = random_tensor(DType::f32, {c.b, n, c.hkv, c.d}, rng);
