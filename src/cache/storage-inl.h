@@ -28,7 +28,6 @@
 //                       elements [i, i + Lanes(d)) before their scale (the
 //                       kernel widens a scale once per block and token for
 //                       all of the block's vectors)
-// and Units<Traits>(n) is the number of Stored of n elements.
 //
 // Per Highway target (the -inl.h toggle); the cache's appends include it for
 // the static target only, since writes are scalar.
@@ -201,12 +200,6 @@ struct StorageTraits<BlockQ4_0>
     return to_float(f16{block.d}) * static_cast<float>(q - 8);
   }
 };
-
-// Stored units of n elements.
-template <class Traits>
-constexpr std::int64_t Units(std::int64_t n) {
-  return n / Traits::kBlock;
-}
 
 // Calls f(StorageTraits<...>{}) for the traits of `storage` (resolved, not
 // automatic: one of the specializations above).

@@ -98,9 +98,9 @@ HWY_INLINE void KeepInRegister(V& v) {
 }
 
 // Scores of kRows consecutive query rows (q, dk_pad apart) against kTokens
-// keys: out[t * out_stride + u] = q_u . keys[t] (kAccumulate: +=), over dk
-// values. Each key vector is widened
-// once for the kRows rows; the kRows x kTokens sums are reduced together.
+// keys of dk values: out[t * out_stride + u] = q_u . keys[t] (kAccumulate:
+// +=). Each key vector is widened once for the kRows rows; the kRows x
+// kTokens sums are reduced together.
 // Not inlined, with the query vectors pinned in registers: inside the item
 // loop GCC folded a load of each query vector into every FMA that used it
 // (10 loads per 8 FMAs; now 6). With the cache in L3 (L = 1024, one thread)
