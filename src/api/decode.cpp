@@ -118,13 +118,12 @@ void reference_decode(ConstTensorView q, const KvCache& cache, TensorView out, T
   Tensor k(DType::f32, {c.batch, longest, hkv, dk});
   Tensor v(DType::f32, {c.batch, longest, hkv, dv});
   const std::int64_t ps = cache.page_size();
-  // Bytes of one head's stored row, and of a token's (all heads); a key row
-  // with a tail (KvCacheConfig::tail_dim) holds its last values past the blocks.
+  // Bytes of one head's stored key row and value row (a latent cache's: its
+  // key row); a key row with a tail (KvCacheConfig::tail_dim) holds its last
+  // values from byte k_main, past the blocks.
+  const std::int64_t k_head = cache.key_token_bytes() / hkv;
+  const std::int64_t v_stride = cache.value_token_bytes() / hkv;
   const std::int64_t tail = c.tail_dim, k_main = stored_bytes(cache.key_storage(), dk - tail);
-  const std::int64_t k_head = k_main + stored_bytes(c.tail_storage, tail);
-  const std::int64_t v_head = stored_bytes(cache.value_storage(), dv);
-  // A latent cache's value rows are its key rows (one head).
-  const std::int64_t v_stride = c.values_in_keys ? k_head : v_head;
   auto* kd = static_cast<float*>(k.view().data());
   auto* vd = static_cast<float*>(v.view().data());
   for (std::int64_t b = 0; b < c.batch; ++b) {

@@ -177,12 +177,12 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
   const CopyRow store_key = writer_for(pool.key_storage, DType::f64);
   const CopyRow store_value = writer_for(pool.value_storage, DType::f64);
   // A key row's values in key_storage, then its tail (tail_dim values in
-  // tail_storage, from byte tail_at of the head's row).
+  // tail_storage, from byte tail_at of the head's row). A row with a tail is
+  // a latent one, appended without RoPE or the Hadamard rotation.
   const std::int64_t key_main = pool.head_dim - pool.tail_dim;
   const std::int64_t tail_at = stored_bytes(pool.key_storage, key_main);
   const bool tail = pool.tail_dim > 0;
   const CopyRow copy_tail = tail ? writer_for(pool.tail_storage, k.dtype()) : nullptr;
-  const CopyRow store_tail = tail ? writer_for(pool.tail_storage, DType::f64) : nullptr;
   std::optional<Rotation> rotation;
   if (rope != nullptr) rotation.emplace(*rope, pool.head_dim);
   // Rows rotated (RoPE, Hadamard) in double on the way in.
@@ -217,9 +217,7 @@ void write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& count
           load_key(key_src, k.stride(3), row.data(), pool.head_dim);
           if (rotation) rotation->rotate(row.data());
           if (pool.hadamard) detail::hadamard(row.data(), pool.head_dim);
-          store_key(row.data(), 1, key_dst + h * key_head, key_main);
-          if (tail)
-            store_tail(row.data() + key_main, 1, key_dst + h * key_head + tail_at, pool.tail_dim);
+          store_key(row.data(), 1, key_dst + h * key_head, pool.head_dim);
         } else {
           copy_key(key_src, k.stride(3), key_dst + h * key_head, key_main);
           if (tail) {
