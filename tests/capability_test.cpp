@@ -145,6 +145,9 @@ void turn_on(Option option, Case& c) {
     case Option::backend:
       o.backend = qkv::Backend::fast;
       return;
+    case Option::matmul_precision:
+      o.matmul_precision = qkv::MatmulPrecision::medium;
+      return;
     case Option::return_lse:
       o.return_lse = true;
       return;

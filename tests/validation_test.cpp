@@ -352,6 +352,11 @@ const std::vector<BadCase>& bad_cases() {
       {"backend_out_of_range",
        [](Call& c) { c.options.backend = static_cast<qkv::Backend>(5); },
        {"options.backend", "got value 5"}},
+      {"matmul_precision_out_of_range",
+       [](Call& c) { c.options.matmul_precision = static_cast<qkv::MatmulPrecision>(2); },
+       {"options.matmul_precision: expected MatmulPrecision::highest or "
+        "MatmulPrecision::medium",
+        "got value 2"}},
 
       // key lengths and packed sequences
       {"key_lengths_count",

@@ -77,6 +77,9 @@ struct Case {
   // Decode, latent: the row's last values kept in bf16 past its blocks
   // (KvCacheConfig::tail_dim, the RoPE part); 0: the whole row in the storage.
   std::int64_t latent_tail = 0;
+  // AttentionOptions::matmul_precision (medium: bf16 products for bf16 rows
+  // on AVX512-BF16; the name then says "medium").
+  MatmulPrecision precision = MatmulPrecision::highest;
 };
 
 // A sequence length divided by --shrink (at least 1).
@@ -175,12 +178,14 @@ std::vector<Case> decode_cases(int shrink) {
     std::int64_t b, l, page_size;
   };
   std::vector<Case> cases;
-  const auto add = [&](KvStorage storage, Shape shape) {
+  const auto add = [&](KvStorage storage, Shape shape,
+                       MatmulPrecision precision = MatmulPrecision::highest) {
     const std::int64_t l = shrunk(shape.l, shrink);
     const std::string paged =
         shape.page_size > 0 ? "paged" + std::to_string(shape.page_size) + "/" : "";
-    cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/" + paged + "B" +
-                             std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
+    const std::string medium = precision == MatmulPrecision::medium ? "medium/" : "";
+    cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/" + medium + paged +
+                             "B" + std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
                              "/D128/n1",
                      .pass = Pass::decode,
                      .b = shape.b,
@@ -192,7 +197,8 @@ std::vector<Case> decode_cases(int shrink) {
                      .causal = true,
                      .naive = false,
                      .cache_storage = storage,
-                     .page_size = shape.page_size});
+                     .page_size = shape.page_size,
+                     .precision = precision});
   };
   for (const KvStorage storage :
        {KvStorage::f32, KvStorage::bf16, KvStorage::f16, KvStorage::q8_0, KvStorage::q4_0}) {
@@ -206,19 +212,27 @@ std::vector<Case> decode_cases(int shrink) {
       add(storage, shape);
     }
   }
+  // The bf16 cache on bf16 dot products (MatmulPrecision::medium).
+  for (const Shape shape : {Shape{1, 4096, 0}, Shape{1, 32768, 0}, Shape{1, 131072, 0},
+                            Shape{4, 32768, 0}, Shape{1, 32768, 16}, Shape{4, 32768, 16}}) {
+    add(KvStorage::bf16, shape, MatmulPrecision::medium);
+  }
   // DeepSeek's MLA, absorbed: 128 query heads against one latent row of 576
   // (512 + 64 RoPE) per token, the first 512 the value; bf16, q8_0, and q8_0
   // with the RoPE part in bf16.
   struct Latent {
     KvStorage storage;
     std::int64_t tail;
+    MatmulPrecision precision = MatmulPrecision::highest;
   };
   for (const Latent latent :
-       {Latent{KvStorage::bf16, 0}, Latent{KvStorage::q8_0, 0}, Latent{KvStorage::q8_0, 64}}) {
+       {Latent{KvStorage::bf16, 0}, Latent{KvStorage::bf16, 0, MatmulPrecision::medium},
+        Latent{KvStorage::q8_0, 0}, Latent{KvStorage::q8_0, 64}}) {
     const std::int64_t l = shrunk(32768, shrink);
     cases.push_back({.name = "dec/mla/" + std::string(storage_name(latent.storage)) +
-                             (latent.tail > 0 ? "+bf16rope" : "") + "/B1/Hq128/L" +
-                             std::to_string(l) + "/D576/Dv512/n1",
+                             (latent.tail > 0 ? "+bf16rope" : "") +
+                             (latent.precision == MatmulPrecision::medium ? "/medium" : "") +
+                             "/B1/Hq128/L" + std::to_string(l) + "/D576/Dv512/n1",
                      .pass = Pass::decode,
                      .b = 1,
                      .hq = 128,
@@ -230,7 +244,8 @@ std::vector<Case> decode_cases(int shrink) {
                      .naive = false,
                      .cache_storage = latent.storage,
                      .latent_dv = 512,
-                     .latent_tail = latent.tail});
+                     .latent_tail = latent.tail,
+                     .precision = latent.precision});
   }
   return cases;
 }
@@ -238,6 +253,7 @@ std::vector<Case> decode_cases(int shrink) {
 AttentionOptions options_of(const Case& c) {
   AttentionOptions options;
   options.causal = c.causal;
+  options.matmul_precision = c.precision;
   options.window_left = c.window_left;
   options.window_right = c.window_right;
   options.backend = Backend::fast;
@@ -510,7 +526,11 @@ std::string prepare_case(const Case& c, const BenchOptions& options, PreparedCas
             static_cast<double>(unmasked_pairs(c.nq, c.nk, p.attention_options));
   if (c.pass == Pass::decode) {
     if (std::string skip = fill_cache(c, rng, p.cache); !skip.empty()) return skip;
-    p.impls.push_back({"qkv", [&p] { decode_attention_into(p.q, *p.cache, p.o); }});
+    p.impls.push_back({"qkv", [&p, precision = c.precision] {
+                         AttentionOptions o;
+                         o.matmul_precision = precision;
+                         decode_attention_into(p.q, *p.cache, p.o, {}, o);
+                       }});
     return {};
   }
   p.k = random_tensor(c.dtype, {c.b, c.nk, c.hkv, c.d}, rng);

@@ -92,6 +92,16 @@ enum class Backend : std::uint8_t {
   fast,       // fused CPU kernels
 };
 
+// How exactly the products Q K^T and P V are computed (PyTorch's
+// torch.set_float32_matmul_precision names). A permission, not a demand: a
+// path that has no faster product for the call computes it at `highest`.
+enum class MatmulPrecision : std::uint8_t {
+  highest,  // f32 products of the stored values (f64 for f64 inputs)
+  medium,   // bf16 dot products with f32 sums where the CPU has them (AVX512-BF16):
+            // today decode_attention of bf16 caches, whose queries and weights
+            // are then rounded to bf16 (docs/numerics.md)
+};
+
 // Parameters of Score::additive, shared by all heads. A is the attention size.
 struct AdditiveScore {
   ConstTensorView w_q;   // [A, Dq] (Dq = q's last dim); required
@@ -168,6 +178,8 @@ struct ShardOffsets {
   X(std::uint32_t, dropout_offset, 0, "counter offset: use a new one per call and layer")         \
   X(ShardOffsets, shard, {}, "the call as a piece of a larger one; all 0 = whole")                \
   X(Backend, backend, Backend::automatic, "which implementation runs")                            \
+  X(MatmulPrecision, matmul_precision, MatmulPrecision::highest,                                  \
+    "medium allows bf16 products (see the enum)")                                                 \
   X(bool, return_lse, false, "allocating overload: also return lse")                              \
   X(bool, return_probs, false, "allocating overload: also return probs (B*Hq*Nq*Nk values)")
 

@@ -342,7 +342,9 @@ def decode_attention(q, cache: KvCache, *, return_lse: bool = False, **options):
     everything `cache` holds, causally (qkv/decode.hpp). Options as
     qkv.attention's; decoding takes scale, score="dot", softcap,
     alibi_slopes, window=(left, -1), sparse patterns of positions (windows,
-    global tokens, prefix_lm; not block layouts) and backend, and refuses
+    global tokens, prefix_lm; not block layouts), backend and
+    matmul_precision ("medium": a bf16 cache on bf16 dot products where the
+    CPU has AVX512-BF16, queries and weights rounded to bf16), and refuses
     the others by name. Returns out [B, n, Hq, Dv], or (out, lse [B, Hq, n])
     with return_lse."""
     o = _options(**options)

@@ -91,6 +91,11 @@ struct Names<Backend> {
                                                             {"reference", Backend::reference},
                                                             {"fast", Backend::fast}};
 };
+template <>
+struct Names<MatmulPrecision> {
+  static constexpr std::pair<const char*, MatmulPrecision> all[] = {
+      {"highest", MatmulPrecision::highest}, {"medium", MatmulPrecision::medium}};
+};
 
 template <class E>
 requires std::is_enum_v<E>

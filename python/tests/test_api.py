@@ -270,6 +270,31 @@ def test_kv_cache_decode_matches_causal_attention(paged):
             assert np.abs(out[bb:bb + 1] - ref).max() <= reference.tolerance(q, k, v, np.float32)
 
 
+def test_decode_matmul_precision_medium_within_bf16_rounding():
+    # A bf16 cache under matmul_precision="medium": bf16 dot products where
+    # the CPU has them (AVX512-BF16), with the queries and the weights
+    # rounded to bf16 (docs/numerics.md); elsewhere the highest-precision
+    # decode, bit for bit. An f32 cache always decodes at highest.
+    b, hkv, hq, d, n = 1, 2, 8, 64, 300
+    k, v = rand(b, n, hkv, d), rand(b, n, hkv, d)
+    q = rand(b, 1, hq, d)
+    bf16 = qkv.KvCache(batch=b, kv_heads=hkv, head_dim=d, capacity=n, dtype="bfloat16")
+    bf16.append(k, v)
+    highest = qkv.decode_attention(q, bf16)
+    medium = qkv.decode_attention(q, bf16, matmul_precision="medium")
+    u = 2.0 ** -8
+    delta = u * np.abs(q).sum(axis=-1).max() / np.sqrt(d) * np.abs(k).max() * (1 + u)
+    bound = (u + np.expm1(2 * delta)) * np.abs(v).max() * 1.1
+    assert np.abs(medium - highest).max() <= bound
+    f32 = qkv.KvCache(batch=b, kv_heads=hkv, head_dim=d, capacity=n)
+    f32.append(k, v)
+    np.testing.assert_array_equal(qkv.decode_attention(q, f32, matmul_precision="medium"),
+                                  qkv.decode_attention(q, f32))
+    with pytest.raises(ValueError, match="matmul_precision: expected 'highest' or 'medium', "
+                                         "got 'high'"):
+        qkv.decode_attention(q, bf16, matmul_precision="high")
+
+
 def test_streaming_kv_cache_decodes_its_sinks_and_window():
     # Page size 2, 2 sinks, a window of 3: of 11 tokens it keeps 0, 1 and
     # 8..10 (pages 2-3, 4-5, 6-7 dropped; dropping 8-9 would leave 1 < 3).

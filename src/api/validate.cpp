@@ -354,6 +354,12 @@ void check_scalar_options(const AttentionOptions& o, Reasons& r) {
         "value " +
         to_string(static_cast<int>(o.backend)));
   }
+  if (o.matmul_precision > MatmulPrecision::medium) {
+    r.push_back(
+        "options.matmul_precision: expected MatmulPrecision::highest or MatmulPrecision::medium, "
+        "got value " +
+        to_string(static_cast<int>(o.matmul_precision)));
+  }
 }
 
 void check_alibi(const AttentionOptions& o, std::int64_t hq, std::int64_t sequences, bool varlen,

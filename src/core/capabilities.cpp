@@ -26,6 +26,8 @@ struct Row {
 //   the key lengths, and its queries are the newest tokens (bottom-right).
 // - context_parallel: refused; qkv::dist cuts the sequence into pieces
 //   and sets options.shard itself.
+// matmul_precision is a permission every path takes: one without faster
+// products computes at `highest`.
 // dropout_seed and dropout_offset are parameters of dropout_p, return_lse
 // and return_probs requests of the allocating forward; the backward takes
 // the forward's options whole and passes over the requests.
@@ -55,6 +57,7 @@ constexpr Row kTable[] = {
     {Option::dropout_offset, "yyyyyyy"},
     {Option::shard,          "yyy-y--"},
     {Option::backend,        "yyyyyyy"},
+    {Option::matmul_precision, "yyyyyyy"},
     {Option::return_lse,     "yyyyyyy"},
     {Option::return_probs,   "yyyy---"},
     // clang-format on

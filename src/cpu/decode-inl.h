@@ -26,9 +26,12 @@
 
 #include "cache/storage-inl.h"
 #include "core/hadamard.hpp"
+#include "core/isa.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
+#include "cpu/bf16_dot-inl.h"
 #include "cpu/decode.hpp"
+#include "cpu/row_sums-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/aligned_allocator.h"
@@ -50,52 +53,6 @@ constexpr std::int64_t kDecodeBlock = 32;
 // measured slower, up to 1.7x), and the accumulators' load and store per
 // step stay cheap against 8 tokens of FMAs (4 and 2 measured slower).
 constexpr std::int64_t kValueGroup = 8;
-
-template <class D>
-HWY_INLINE float Sum(D d, hn::Vec<D> v) {
-  return hn::GetLane(hn::SumOfLanes(d, v));
-}
-
-// Multi-row reductions need whole 128-bit blocks of four f32 lanes.
-#if HWY_TARGET != HWY_SCALAR
-
-// v folded to its first 128-bit block: the sum of its blocks.
-template <class D>
-HWY_INLINE hn::Vec<hn::Full128<float>> FoldTo128(D d, hn::Vec<D> v) {
-  if constexpr (hn::MaxLanes(d) > 4) {
-    const hn::Half<D> dh;
-    return FoldTo128(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
-  } else {
-    return v;
-  }
-}
-
-// Lane u of the result (per 128-bit block) is the sum of the four lanes of
-// that block of b_u: a 4 x 4 transpose folded into three adds.
-template <class D4>
-HWY_INLINE hn::Vec<D4> Reduce4Blocks(D4 d4, hn::Vec<D4> b0, hn::Vec<D4> b1, hn::Vec<D4> b2,
-                                     hn::Vec<D4> b3) {
-  const hn::Repartition<std::uint64_t, D4> d64;
-  const auto t0 = hn::Add(hn::InterleaveLower(d4, b0, b1), hn::InterleaveUpper(d4, b0, b1));
-  const auto t1 = hn::Add(hn::InterleaveLower(d4, b2, b3), hn::InterleaveUpper(d4, b2, b3));
-  const auto lo = hn::InterleaveLower(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
-  const auto hi = hn::InterleaveUpper(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
-  return hn::Add(hn::BitCast(d4, lo), hn::BitCast(d4, hi));
-}
-#endif
-
-// Keeps v in a register. Where a vector is used by several FMAs, GCC may
-// instead fold a load of it into each of them, which makes a loop with more
-// loads than FMAs bound by the load ports.
-template <class V>
-HWY_INLINE void KeepInRegister(V& v) {
-#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128 && \
-    (HWY_COMPILER_GCC_ACTUAL || HWY_COMPILER_CLANG)
-  asm("" : "+v"(v.raw));
-#else
-  (void)v;
-#endif
-}
 
 // Scores of kRows consecutive query rows (q, dk_pad apart) against kTokens
 // keys of dk values: out[t * out_stride + u] = q_u . keys[t] (kAccumulate:
@@ -168,34 +125,7 @@ HWY_NOINLINE void ScoreTile(D d, const float* HWY_RESTRICT q, std::int64_t dk_pa
       for (int u = 0; u < kRows; ++u) scalar[t][u] += kx * q[u * dk_pad + x];
     }
   }
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (kRows == 4) {
-    const hn::Full128<float> d4;
-    if constexpr (kTokens == 2 && hn::MaxLanes(d) == 8) {
-      // Both tokens at once: fold each row's two accumulators into the two
-      // blocks of one vector, then reduce the four rows per block.
-      hn::Vec<D> e[4];
-      for (int u = 0; u < 4; ++u) {
-        e[u] = hn::Add(hn::ConcatLowerLower(d, acc[1][u], acc[0][u]),
-                       hn::ConcatUpperUpper(d, acc[1][u], acc[0][u]));
-      }
-      const auto sums = Reduce4Blocks(d, e[0], e[1], e[2], e[3]);
-      const hn::Half<D> dh;
-      hn::StoreU(hn::Add(hn::LowerHalf(dh, sums), hn::Load(d4, scalar[0])), d4, out);
-      hn::StoreU(hn::Add(hn::UpperHalf(dh, sums), hn::Load(d4, scalar[1])), d4, out + out_stride);
-    } else {
-      for (int t = 0; t < kTokens; ++t) {
-        const auto sums = Reduce4Blocks(d4, FoldTo128(d, acc[t][0]), FoldTo128(d, acc[t][1]),
-                                        FoldTo128(d, acc[t][2]), FoldTo128(d, acc[t][3]));
-        hn::StoreU(hn::Add(sums, hn::Load(d4, scalar[t])), d4, out + t * out_stride);
-      }
-    }
-    return;
-  }
-#endif
-  for (int t = 0; t < kTokens; ++t) {
-    for (int u = 0; u < kRows; ++u) out[t * out_stride + u] = Sum(d, acc[t][u]) + scalar[t][u];
-  }
+  StoreScoreSums<kRows, kTokens>(d, acc, scalar, out, out_stride);
 }
 
 // O[u][k * lanes ...] += sum_c p[c * p_stride + u] * values[c][k * lanes ...]
@@ -306,16 +236,27 @@ HWY_INLINE void WithRows(std::int64_t n, F&& f) {
 // alpha [rows_pad].
 struct DecodeScratch {
   explicit DecodeScratch(std::int64_t rows_pad)
-      : s(Allocate(kDecodeBlock * rows_pad)),
-        m(Allocate(rows_pad)),
-        l(Allocate(rows_pad)),
-        alpha(Allocate(rows_pad)) {}
-  static hwy::AlignedFreeUniquePtr<float[]> Allocate(std::int64_t n) {
-    auto p = hwy::AllocateAligned<float>(static_cast<std::size_t>(n));
-    std::fill_n(p.get(), n, 0.0f);
+      : s(Allocate<float>(kDecodeBlock * rows_pad)),
+        m(Allocate<float>(rows_pad)),
+        l(Allocate<float>(rows_pad)),
+        alpha(Allocate<float>(rows_pad)),
+        p2(Allocate<std::uint32_t>(kDecodeBlock / 2 * rows_pad)) {}
+  template <class T>
+  static hwy::AlignedFreeUniquePtr<T[]> Allocate(std::int64_t n) {
+    auto p = hwy::AllocateAligned<T>(static_cast<std::size_t>(n));
+    std::fill_n(p.get(), n, T{0});
     return p;
   }
   hwy::AlignedFreeUniquePtr<float[]> s, m, l, alpha;
+  // bf16 value tiles: the weights by pairs of tokens [kDecodeBlock / 2][rows_pad]
+  hwy::AlignedFreeUniquePtr<std::uint32_t[]> p2;
+};
+
+// Where the products run on bf16 dot products (cpu/bf16_dot-inl.h):
+// MatmulPrecision::medium on a CPU with AVX512-BF16, for bf16 rows.
+struct DotPlan {
+  const std::uint16_t* q16 = nullptr;  // the sequences' query rows in bf16 for the scores; or none
+  bool values = false;                 // P V on bf16 products
 };
 
 // The shape of one work item's tiles: rows r = h * n + t over all query
@@ -351,11 +292,13 @@ HWY_INLINE void TailScores(D d, const ItemShape& sh, const float* HWY_RESTRICT q
 
 // Scores of a block's `cols` tokens, s[c][r] = <q_r, k_c>: two keys at a
 // time against four rows of their KV head, prefetching the next block's
-// keys through next_keys. A key row with a tail (blocks only) is scored over
-// its blocks, then its tail added (TailScores); the tail starts at a
-// multiple of 32 values, so the queries' vectors there stay aligned.
+// keys through next_keys; with q16 (the rows in bf16: bf16 keys under
+// MatmulPrecision::medium, see DotPlan) on bf16 dot products. A key row
+// with a tail (blocks only) is scored over its blocks, then its tail added
+// (TailScores); the tail starts at a multiple of 32 values, so the queries'
+// vectors there stay aligned.
 template <class Traits>
-void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
+void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q, const std::uint16_t* q16,
                  const typename Traits::Stored* const* keys, std::int64_t cols,
                  LineStream& next_keys, float* HWY_RESTRICT s) {
   using T = typename Traits::Stored;
@@ -375,6 +318,18 @@ void BlockScores(const ItemShape& sh, const float* HWY_RESTRICT q,
           float* out = s + c * sh.rows_pad + r;
           const float* qr = q + r * sh.dk_pad;
           next_keys.Next();
+          if constexpr (kBf16Dot && std::is_same_v<T, hwy::bfloat16_t>) {
+            if (q16 != nullptr) {
+              const auto* const* k16 = reinterpret_cast<const std::uint16_t* const*>(krows);
+              const std::uint16_t* q16r = q16 + r * sh.dk_pad;
+              if (pair == 2) {
+                ScoreTileBf16<kR, 2>(q16r, sh.dk_pad, k16, lead, out, sh.rows_pad);
+              } else {
+                ScoreTileBf16<kR, 1>(q16r, sh.dk_pad, k16, lead, out, sh.rows_pad);
+              }
+              return;
+            }
+          }
           if (pair == 2) {
             ScoreTile<kR, 2, Traits>(d, qr, sh.dk_pad, krows, lead, out, sh.rows_pad);
           } else {
@@ -474,11 +429,47 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
   }
 }
 
+// BlockValues on bf16 products (cpu/bf16_dot-inl.h): dv a multiple of 32,
+// the weights packed by pairs in p2, o_acc's chunks of 32 columns permuted.
+template <class Traits>
+void BlockValuesBf16(const ItemShape& sh, const std::uint32_t* HWY_RESTRICT p2,
+                     const typename Traits::Stored* const* values, std::int64_t cols,
+                     LineStream& next_values, float* HWY_RESTRICT o_acc) {
+  if constexpr (kBf16Dot && std::is_same_v<typename Traits::Stored, hwy::bfloat16_t>) {
+    const auto* const* v16 = reinterpret_cast<const std::uint16_t* const*>(values);
+    for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
+      const std::int64_t gcols = std::min(kValueGroup, cols - g0);
+      const std::uint32_t* pg = p2 + g0 / 2 * sh.rows_pad;
+      for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+        for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
+          WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
+            constexpr int kR = decltype(kRows)::value;
+            std::int64_t x = 0;
+            for (; x + 2 * kBf16Chunk <= sh.dv; x += 2 * kBf16Chunk) {
+              next_values.Next();
+              next_values.Next();
+              ValueTileBf16<kR, 2>(pg + r, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols,
+                                   o_acc + r * sh.dv_pad + x, sh.dv_pad);
+            }
+            if (x < sh.dv) {
+              next_values.Next();
+              ValueTileBf16<kR, 1>(pg + r, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols,
+                                   o_acc + r * sh.dv_pad + x, sh.dv_pad);
+            }
+          });
+        }
+      }
+    }
+  } else {
+    (void)sh, (void)p2, (void)values, (void)cols, (void)next_values, (void)o_acc;
+  }
+}
+
 // One work item of a cache whose keys are stored as KTraits says and its
 // values as VTraits. q holds the sequence's scaled query rows [rows][dk_pad].
 template <class KTraits, class VTraits>
 void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RESTRICT q,
-                   DecodeScratch& sc) {
+                   const DotPlan& dot, DecodeScratch& sc) {
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
   using KT = typename KTraits::Stored;
@@ -567,7 +558,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
                                      tiles_per_head * ((sh.dv + 2 * lanes - 1) / (2 * lanes));
     next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
     next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
-    BlockScores<KTraits>(sh, q, keys, cols, next_keys, s);
+    BlockScores<KTraits>(sh, q, dot.q16, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
       BlockModifyAndMask(plan, sh, length, j0, cols, alibi, slopes, s);
@@ -575,7 +566,17 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
     RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
+    if constexpr (kBf16Dot) {
+      if (dot.values) {
+        PackWeightPairs(s, sh.rows_pad, cols, sh.rows_pad, sc.p2.get());
+        BlockValuesBf16<VTraits>(sh, sc.p2.get(), values, cols, next_values, o_acc);
+        continue;
+      }
+    }
     BlockValues<VTraits>(sh, s, values, cols, next_values, o_acc);
+  }
+  if (dot.values) {
+    for (std::int64_t r = 0; r < sh.rows; ++r) UnpermuteChunks(o_acc + r * sh.dv_pad, sh.dv);
   }
   std::copy_n(m, sh.rows, plan.partial_m.data() + item.slot * sh.rows);
   std::copy_n(l, sh.rows, plan.partial_l.data() + item.slot * sh.rows);
@@ -634,6 +635,20 @@ inline void DecodeImpl(DecodePlan& plan) {
       for (std::int64_t c = 0; c < plan.dk; ++c) row[c] *= plan.scale;
     }
   }
+  // bf16 products where allowed and the rows are bf16 (a latent cache's
+  // values are its key rows), in chunks of 32 (cpu/bf16_dot-inl.h).
+  DotPlan dot;
+  std::vector<std::uint16_t> q16;
+  if (kBf16Dot && plan.params.matmul_precision == MatmulPrecision::medium &&
+      detail::has_bf16_dot()) {
+    const KvStorage values_storage = plan.cache->values_in_keys ? key_storage : value_storage;
+    if (key_storage == KvStorage::bf16 && plan.dk % kBf16Chunk == 0) {
+      q16.resize(static_cast<std::size_t>(plan.batch * plan.rows * dk_pad));
+      for (std::size_t i = 0; i < q16.size(); ++i) q16[i] = to_bf16(q.get()[i]).bits;
+      dot.q16 = q16.data();
+    }
+    dot.values = values_storage == KvStorage::bf16 && plan.dv % kBf16Chunk == 0;
+  }
   // Threads only when the step is worth waking them: a short cache decodes
   // in microseconds, less than a parallel region's start and barrier.
   std::int64_t work = 0;
@@ -648,8 +663,10 @@ inline void DecodeImpl(DecodePlan& plan) {
     for (std::int64_t i = 0; i < n; ++i) {
       const DecodeItem& item = plan.items[static_cast<std::size_t>(i)];
       const float* q_item = q.get() + item.b * plan.rows * dk_pad;
+      DotPlan dot_item = dot;
+      if (dot.q16 != nullptr) dot_item.q16 = dot.q16 + item.b * plan.rows * dk_pad;
       WithCacheTraits(key_storage, value_storage, [&](auto k, auto v) {
-        DecodeItemRun<decltype(k), decltype(v)>(plan, item, q_item, sc);
+        DecodeItemRun<decltype(k), decltype(v)>(plan, item, q_item, dot_item, sc);
       });
     }
   }

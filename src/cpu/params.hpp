@@ -39,6 +39,9 @@ struct KernelParams {
   std::span<const float> sinks;        // [Hq] learned sink logits; empty = none
   AdditiveScore additive;              // Score::additive's parameters
   DropoutParams dropout;
+  // medium: bf16 products allowed where a kernel has them (decode of bf16
+  // caches on AVX512-BF16, see cpu/bf16_dot-inl.h)
+  MatmulPrecision matmul_precision = MatmulPrecision::highest;
 
   // The ALiBi slope of query head h of sequence s, for Hq query heads.
   float slope(std::int64_t s, std::int64_t h, std::int64_t hq) const {
@@ -63,6 +66,7 @@ inline KernelParams lower(const AttentionOptions& o, double scale) {
   k.sparse = o.sparse;
   k.sinks = o.sinks;
   k.additive = o.additive;
+  k.matmul_precision = o.matmul_precision;
   k.dropout = {o.dropout_p, o.dropout_seed, o.dropout_offset, o.shard};
   return k;
 }

@@ -1,7 +1,7 @@
 // Fuzzes the KV cache and decoding: KvCache construction (contiguous and
 // paged, extreme configurations), sequences of append, append_to (with and
 // without RoPE) and release, decode_attention and decode_attention_into over
-// their options (scale, softcap, ALiBi, window, backends, and options decode
+// their options (scale, softcap, ALiBi, window, backends, matmul_precision, and options decode
 // must refuse), apply_rope and apply_rope_backward, with strided and bad
 // views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
 // q4_0), plain or rotated by the Hadamard transform; streaming caches
@@ -592,6 +592,11 @@ void fuzz_decode(Input& in, KvCache& cache) {
     opt.backend = static_cast<qkv::Backend>(in.range(3, 255));
     must_reject = "out-of-range backend";
   }
+  if (in.one_in(3)) opt.matmul_precision = qkv::MatmulPrecision::medium;
+  if (in.one_in(24)) {
+    opt.matmul_precision = static_cast<qkv::MatmulPrecision>(in.range(2, 255));
+    must_reject = "out-of-range matmul_precision";
+  }
   if (opt.score == qkv::Score::dot && opt.scale.has_value()) must_reject = "dot with a scale";
 
   const bool into = in.coin();
@@ -686,6 +691,13 @@ void fuzz_decode(Input& in, KvCache& cache) {
   require(acc.mismatches == 0, "decode: infinities or NaNs differ from the reference");
   if (!finite) return;
   require(acc.naive_mismatches == 0, "naive decode: infinities or NaNs differ from the reference");
+  // medium may round the queries and weights to bf16: its error model is
+  // tests/bf16_dot_test.cpp's, not the f32 policy below.
+  if (opt.matmul_precision == qkv::MatmulPrecision::medium &&
+      (cache.key_storage() == qkv::KvStorage::bf16 ||
+       cache.value_storage() == qkv::KvStorage::bf16)) {
+    return;
+  }
   // The tolerance policy holds statistically: enough outputs and keys, and
   // scores of moderate size (as in fuzz_attention).
   double max_k = 0.0;
