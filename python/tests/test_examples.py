@@ -69,3 +69,37 @@ def test_smollm2_kv_cache():
     f32_bytes = int(rows["float32"][0])  # 32 values: 128 bytes, 34 in q8_0, 18 in q4_0
     assert int(rows["q8_0"][0]) * 128 == f32_bytes * 34
     assert int(rows["q4_0"][0]) * 128 == f32_bytes * 18
+
+
+def test_applications_quick(tmp_path):
+    # The essays' applications in their small settings: the translation
+    # decoder learns (both models far above chance, which is ~0 for an exact
+    # ISO date), incremental decoding gives the recomputed tokens, the
+    # pictures are written and docs/applications.md's sections are there.
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "applications" / "run_all.py"),
+                           "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    page = (tmp_path / "applications.md").read_text()
+    assert page in done.stdout
+    for name in ("bahdanau", "transformer"):
+        assert (tmp_path / "applications" / f"translation_{name}.png").stat().st_size > 10000
+    accuracy = {line.split("|")[1].strip(): float(line.split("|")[5].split("%")[0])
+                for line in page.splitlines() if line.startswith(("| Bahdanau", "| Transformer"))}
+    assert accuracy["Bahdanau"] > 20 and accuracy["Transformer"] > 10, accuracy
+    assert "whole decoder on the prefix: yes" in page.replace("\n", " "), page
+    assert "cross-attention call, M = 1 against N = 60" in page
+    # The click model: the attention models learn the planted rule (above
+    # chance, below the rule's own AUC) and put more than the planted
+    # behaviours' share of the sequence on them.
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in page.splitlines()
+            if line.startswith(("| the planted rule", "| mean pooling", "| target attention",
+                                "| mixed"))}
+    rule = float(rows["the planted rule itself (no model)"][1])
+    for name in ("target attention", "mixed: self + target attention"):
+        model_auc = float(rows[name][1])
+        assert 0.53 < model_auc < rule, (name, model_auc, rule)
+        mass, share = rows[name][4].split("% (they are ")
+        assert float(mass) > 1.5 * float(share.split("%")[0]), rows[name]
