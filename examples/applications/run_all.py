@@ -23,6 +23,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import ctr  # noqa: E402
+import report  # noqa: E402
 import translation  # noqa: E402
 
 
@@ -136,6 +137,38 @@ def ctr_section(r: dict) -> list:
     return lines
 
 
+def report_section(r: dict, pictures: str) -> list:
+    lines = [
+        "## Image-to-report: cross-attention that finds what each word describes",
+        "",
+        "`python examples/applications/report.py`: generated 48 x 48 images of one or two",
+        "shapes (circle, square, triangle; red, green, blue, yellow; small or large) in the",
+        "cells of a 3 x 3 grid, and their reports in reading order, e.g. `large red square",
+        "upper-centre , small yellow circle lower-left`. A patch encoder (36 patches of",
+        "8 x 8, two self-attention layers) and a text decoder (two layers of causal",
+        "self-attention and cross-attention to the patches), all on",
+        "`qkv.nn.MultiheadAttention`; held-out scenes come from a seed never used in",
+        "training. Grounding: for each generated shape word, whether the peak of the last",
+        "decoder layer's cross-attention (mean over heads) lies on a patch of the shape",
+        "the word names; by chance it would be the share of patches a shape covers (1 to 4",
+        "of 36).",
+        "",
+    ]
+    lines += report.report(r)
+    lines += [
+        "",
+        f"![Each word's attention over the image]({pictures}/{r['picture']})",
+        "",
+        "The essay (002, §3.3) describes medical report generation this way: self-attention",
+        "over image regions, then the text's queries cross-attend to the image features to",
+        "locate what each word describes. In the maps most words of a shape have their",
+        "attention's peak on it, the words of the first shape more clearly than those of the",
+        "second; the grounding column counts it for the shape words.",
+        "",
+    ]
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small settings of the tests")
@@ -147,6 +180,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     results = translation.run(args.quick, pictures)
     ctr_results = ctr.run(args.quick)
+    report_results = report.run(args.quick, pictures)
     elapsed = time.perf_counter() - start
     lines = [
         "# Applications of the source essays",
@@ -166,6 +200,7 @@ def main(argv=None) -> None:
         "",
     ]
     lines += translation_section(results, pictures.name)
+    lines += report_section(report_results, pictures.name)
     lines += ctr_section(ctr_results)
     text = "\n".join(lines)
     (args.out / "applications.md").write_text(text)

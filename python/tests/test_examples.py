@@ -90,6 +90,14 @@ def test_applications_quick(tmp_path):
     assert accuracy["Bahdanau"] > 20 and accuracy["Transformer"] > 10, accuracy
     assert "whole decoder on the prefix: yes" in page.replace("\n", " "), page
     assert "cross-attention call, M = 1 against N = 60" in page
+    # The reports: mostly right, and the shape words' attention peaks on
+    # their shapes far more often than chance (a shape covers 1 to 4 of 36
+    # patches).
+    assert (tmp_path / "applications" / "report_attention.png").stat().st_size > 10000
+    line = next(line for line in page.splitlines()  # the one row starting with a number
+                if line.startswith("| ") and line[2].isdigit())
+    exact, grounding = (float(line.split("|")[k].split("%")[0]) for k in (4, 5))
+    assert exact > 50 and grounding > 40, line
     # The click model: the attention models learn the planted rule (above
     # chance, below the rule's own AUC) and put more than the planted
     # behaviours' share of the sequence on them.
