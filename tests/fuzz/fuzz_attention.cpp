@@ -124,7 +124,8 @@ void call(const AttentionCase& c, bool into, const AttentionOutputs& outs, Atten
 }
 
 // Rows of lse equal to -inf have out and probs exactly 0; rows with a finite
-// lse have probabilities summing to 1 up to their rounding.
+// lse have probabilities summing to 1 (less a sink's share) up to their
+// rounding.
 void check_rows(const AttentionCase& c, ConstTensorView out, ConstTensorView lse,
                 ConstTensorView probs) {
   // Each probability is rounded once to its dtype.
@@ -145,10 +146,22 @@ void check_rows(const AttentionCase& c, ConstTensorView out, ConstTensorView lse
           require(zero, "fully masked row (b " + std::to_string(b) + ", h " + std::to_string(h) +
                             ", i " + std::to_string(i) + ") is not exactly 0: " + c.text);
         } else if (probs.defined()) {
-          require(std::fabs(sum - 1.0) <= static_cast<double>(c.nk + 2) * u,
+          // A learned sink takes e^(S_h - lse) of the row's mass (qkv/attention.hpp):
+          // the keys' probabilities sum to the rest; lse is rounded to f32 once.
+          double want = 1.0, slack = 0.0;
+          if (!c.opt.sinks.empty()) {
+            const double sink = c.opt.sinks[static_cast<std::size_t>(h)];
+            const double mass = std::exp(sink - row_lse);
+            if (mass > 0.0) {  // a sink of -inf takes nothing
+              want -= mass;
+              slack = 4.0 * u * (std::fabs(row_lse) + std::fabs(sink) + 1.0) * mass;
+            }
+          }
+          require(std::fabs(sum - want) <= static_cast<double>(c.nk + 2) * u + slack,
                   "probabilities of row (b " + std::to_string(b) + ", h " + std::to_string(h) +
-                      ", i " + std::to_string(i) + ") sum to 1 + " + std::to_string(sum - 1.0) +
-                      ": " + c.text);
+                      ", i " + std::to_string(i) + ") sum to " + std::to_string(want) + " + " +
+                      std::to_string(sum - want) + " (lse " + std::to_string(row_lse) +
+                      "): " + c.text);
         }
       }
     }
