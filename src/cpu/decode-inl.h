@@ -381,6 +381,22 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
   }
 }
 
+// Calls tile(g0, gcols, hk, r) for each group of kValueGroup of a block's
+// `cols` tokens (from g0, gcols of them), each KV head hk and each tile of
+// up to four of its query rows (from r): the value passes' order, which
+// reads one line per token at a time, Hkv * Dv elements apart.
+template <class F>
+HWY_INLINE void ForEachValueTile(const ItemShape& sh, std::int64_t cols, F&& tile) {
+  for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
+    const std::int64_t gcols = std::min(kValueGroup, cols - g0);
+    for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+      for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
+        tile(g0, gcols, hk, r);
+      }
+    }
+  }
+}
+
 // O += P V for a block's `cols` tokens, per KV head, kValueGroup tokens at
 // a time: tiles of four rows x two vectors of columns, the columns past the
 // last whole vector in scalars, prefetching the next block's values
@@ -389,16 +405,13 @@ template <class Traits>
 void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
                  const typename Traits::Stored* const* values, std::int64_t cols,
                  LineStream& next_values, float* HWY_RESTRICT o_acc) {
-  using T = typename Traits::Stored;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = sh.lanes, dv = sh.dv, dv_pad = sh.dv_pad, rows_pad = sh.rows_pad;
   const std::int64_t full = dv / lanes * lanes;
-  for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
-    const std::int64_t gcols = std::min(kValueGroup, cols - g0);
-    const float* sg = s + g0 * rows_pad;
-    const T* const* vg = values + g0;
-    for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
-      for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
+  ForEachValueTile(
+      sh, cols, [&](std::int64_t g0, std::int64_t gcols, std::int64_t hk, std::int64_t r) {
+        const float* sg = s + g0 * rows_pad;
+        const auto* vg = values + g0;
         WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
           constexpr int kR = decltype(kRows)::value;
           std::int64_t x = 0;
@@ -424,45 +437,36 @@ void BlockValues(const ItemShape& sh, const float* HWY_RESTRICT s,
             o_acc[rr * dv_pad + e] = sum;
           }
         }
-      }
-    }
-  }
+      });
 }
 
-// BlockValues on bf16 products (cpu/bf16_dot-inl.h): dv a multiple of 32,
-// the weights packed by pairs in p2, o_acc's chunks of 32 columns permuted.
-template <class Traits>
-void BlockValuesBf16(const ItemShape& sh, const std::uint32_t* HWY_RESTRICT p2,
-                     const typename Traits::Stored* const* values, std::int64_t cols,
-                     LineStream& next_values, float* HWY_RESTRICT o_acc) {
-  if constexpr (kBf16Dot && std::is_same_v<typename Traits::Stored, hwy::bfloat16_t>) {
-    const auto* const* v16 = reinterpret_cast<const std::uint16_t* const*>(values);
-    for (std::int64_t g0 = 0; g0 < cols; g0 += kValueGroup) {
-      const std::int64_t gcols = std::min(kValueGroup, cols - g0);
-      const std::uint32_t* pg = p2 + g0 / 2 * sh.rows_pad;
-      for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
-        for (std::int64_t r = hk * sh.head_rows; r < (hk + 1) * sh.head_rows; r += 4) {
-          WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
-            constexpr int kR = decltype(kRows)::value;
-            std::int64_t x = 0;
-            for (; x + 2 * kBf16Chunk <= sh.dv; x += 2 * kBf16Chunk) {
-              next_values.Next();
-              next_values.Next();
-              ValueTileBf16<kR, 2>(pg + r, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols,
-                                   o_acc + r * sh.dv_pad + x, sh.dv_pad);
-            }
-            if (x < sh.dv) {
-              next_values.Next();
-              ValueTileBf16<kR, 1>(pg + r, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols,
-                                   o_acc + r * sh.dv_pad + x, sh.dv_pad);
-            }
-          });
-        }
-      }
-    }
-  } else {
-    (void)sh, (void)p2, (void)values, (void)cols, (void)next_values, (void)o_acc;
-  }
+// BlockValues on bf16 products (cpu/bf16_dot-inl.h) for bf16 value rows:
+// dv a multiple of 32, the weights packed by pairs in p2, o_acc's chunks of
+// 32 columns permuted.
+inline void BlockValuesBf16(const ItemShape& sh, const std::uint32_t* HWY_RESTRICT p2,
+                            const hwy::bfloat16_t* const* values, std::int64_t cols,
+                            LineStream& next_values, float* HWY_RESTRICT o_acc) {
+  const auto* const* v16 = reinterpret_cast<const std::uint16_t* const*>(values);
+  ForEachValueTile(
+      sh, cols, [&](std::int64_t g0, std::int64_t gcols, std::int64_t hk, std::int64_t r) {
+        const std::uint32_t* pg = p2 + g0 / 2 * sh.rows_pad + r;
+        float* o = o_acc + r * sh.dv_pad;
+        WithRows(std::min<std::int64_t>(4, (hk + 1) * sh.head_rows - r), [&](auto kRows) {
+          constexpr int kR = decltype(kRows)::value;
+          std::int64_t x = 0;
+          for (; x + 2 * kBf16Chunk <= sh.dv; x += 2 * kBf16Chunk) {
+            next_values.Next();
+            next_values.Next();
+            ValueTileBf16<kR, 2>(pg, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols, o + x,
+                                 sh.dv_pad);
+          }
+          if (x < sh.dv) {
+            next_values.Next();
+            ValueTileBf16<kR, 1>(pg, sh.rows_pad, v16 + g0, hk * sh.dv + x, gcols, o + x,
+                                 sh.dv_pad);
+          }
+        });
+      });
 }
 
 // One work item of a cache whose keys are stored as KTraits says and its
@@ -566,10 +570,10 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
     RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
-    if constexpr (kBf16Dot) {
+    if constexpr (kBf16Dot && std::is_same_v<VT, hwy::bfloat16_t>) {
       if (dot.values) {
         PackWeightPairs(s, sh.rows_pad, cols, sh.rows_pad, sc.p2.get());
-        BlockValuesBf16<VTraits>(sh, sc.p2.get(), values, cols, next_values, o_acc);
+        BlockValuesBf16(sh, sc.p2.get(), values, cols, next_values, o_acc);
         continue;
       }
     }
@@ -644,7 +648,7 @@ inline void DecodeImpl(DecodePlan& plan) {
     const KvStorage values_storage = plan.cache->values_in_keys ? key_storage : value_storage;
     if (key_storage == KvStorage::bf16 && plan.dk % kBf16Chunk == 0) {
       q16.resize(static_cast<std::size_t>(plan.batch * plan.rows * dk_pad));
-      for (std::size_t i = 0; i < q16.size(); ++i) q16[i] = to_bf16(q.get()[i]).bits;
+      StoreRowFromF32(q.get(), static_cast<std::int64_t>(q16.size()), q16.data(), DType::bf16);
       dot.q16 = q16.data();
     }
     dot.values = values_storage == KvStorage::bf16 && plan.dv % kBf16Chunk == 0;
