@@ -22,6 +22,7 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import claims  # noqa: E402
 import ctr  # noqa: E402
 import report  # noqa: E402
 import translation  # noqa: E402
@@ -169,6 +170,21 @@ def report_section(r: dict, pictures: str) -> list:
     return lines
 
 
+def claims_section(r: dict) -> list:
+    return [
+        "## The essays' numbers, checked",
+        "",
+        "`python examples/applications/claims.py [--claim memory|precision|sharing|heads]`",
+        "measures each claim of essay 002 that names a number (the command column gives",
+        "the one that reruns a row; both scripts are in `examples/applications/`). The",
+        "essay names no machine, model sizes or batch for most of them; where a size had to",
+        "be chosen the row says which. Timings are medians of a few runs on this machine and",
+        "move with its load; the memory rows are peak resident memory of a fresh process,",
+        "above what its inputs hold.",
+        "",
+    ] + claims.report(r) + [""]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small settings of the tests")
@@ -181,6 +197,7 @@ def main(argv=None) -> None:
     results = translation.run(args.quick, pictures)
     ctr_results = ctr.run(args.quick)
     report_results = report.run(args.quick, pictures)
+    claims_results = claims.run(args.quick, translation_results=results)
     elapsed = time.perf_counter() - start
     lines = [
         "# Applications of the source essays",
@@ -202,6 +219,7 @@ def main(argv=None) -> None:
     lines += translation_section(results, pictures.name)
     lines += report_section(report_results, pictures.name)
     lines += ctr_section(ctr_results)
+    lines += claims_section(claims_results)
     text = "\n".join(lines)
     (args.out / "applications.md").write_text(text)
     print(text)

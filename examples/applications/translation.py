@@ -114,18 +114,61 @@ class Bahdanau(nn.Module):
         return torch.stack(out, 1), torch.stack(maps, 1)
 
 
+class GroupedAttention(nn.Module):
+    """Multi-head attention whose kv_heads key and value heads each serve a
+    group of the query heads (kv_heads = 1: one key and one value projection
+    shared by every head, the sharing of essay 002 §3.2), on
+    qkv.torch.scaled_dot_product_attention; called as nn.MultiheadAttention
+    with batch_first=True (bool masks True = masked out)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, kv_heads: int):
+        super().__init__()
+        if num_heads % kv_heads:
+            raise ValueError(f"kv_heads must divide num_heads ({num_heads}), got {kv_heads}")
+        self.embed_dim, self.num_heads, self.kv_heads = embed_dim, num_heads, kv_heads
+        kv_dim = kv_heads * (embed_dim // num_heads)
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.k_proj = nn.Linear(embed_dim, kv_dim)
+        self.v_proj = nn.Linear(embed_dim, kv_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+
+    def project(self, x, part: int):
+        """The query (0), key (1) or value (2) projection of x, split in heads."""
+        if part == 0:
+            return heads(self.q_proj(x), self.num_heads)
+        return heads((self.k_proj, self.v_proj)[part - 1](x), self.kv_heads)
+
+    def forward(self, query, key, value, key_padding_mask=None, attn_mask=None,
+                is_causal=False, need_weights=False):
+        keep = None  # [B, 1, Lq | 1, Lk]: True = attend
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask[:, None, None, :]
+        if attn_mask is not None:
+            keep = ~attn_mask if keep is None else keep & ~attn_mask
+        o = qtorch.scaled_dot_product_attention(self.project(query, 0), self.project(key, 1),
+                                                self.project(value, 2), attn_mask=keep,
+                                                enable_gqa=True)
+        return self.out_proj(merge(o)), None
+
+
+def attention_module(kv_heads: int) -> nn.Module:
+    if kv_heads == HEADS:
+        return qnn.MultiheadAttention(D_MODEL, HEADS, batch_first=True)
+    return GroupedAttention(D_MODEL, HEADS, kv_heads)
+
+
 class Block(nn.Module):
     """Pre-LN transformer layer: self-attention, cross-attention (decoder
-    only), feed-forward."""
+    only), feed-forward; kv_heads < HEADS shares key/value heads."""
 
-    def __init__(self, cross: bool):
+    def __init__(self, cross: bool, kv_heads: int = HEADS):
         super().__init__()
         self.norm1 = nn.LayerNorm(D_MODEL)
-        self.self_attn = qnn.MultiheadAttention(D_MODEL, HEADS, batch_first=True)
+        self.self_attn = attention_module(kv_heads)
         self.cross = cross
         if cross:
             self.norm2 = nn.LayerNorm(D_MODEL)
-            self.cross_attn = qnn.MultiheadAttention(D_MODEL, HEADS, batch_first=True)
+            self.cross_attn = attention_module(kv_heads)
         self.norm3 = nn.LayerNorm(D_MODEL)
         self.ff = nn.Sequential(nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(),
                                 nn.Linear(4 * D_MODEL, D_MODEL))
@@ -155,8 +198,10 @@ def merge(x):  # [B, H, L, E / H] -> [B, L, E]
     return x.transpose(1, 2).reshape(b, n, h * d)
 
 
-def project(mha: qnn.MultiheadAttention, x, part: int):
+def project(mha, x, part: int):
     """The query (0), key (1) or value (2) projection of mha, split in heads."""
+    if isinstance(mha, GroupedAttention):
+        return mha.project(x, part)
     e = mha.embed_dim
     w = mha.in_proj_weight[part * e:(part + 1) * e]
     b = mha.in_proj_bias[part * e:(part + 1) * e]
@@ -164,14 +209,15 @@ def project(mha: qnn.MultiheadAttention, x, part: int):
 
 
 class Transformer(nn.Module):
-    def __init__(self, src_vocab: int, tgt_vocab: int, max_len: int = 64):
+    def __init__(self, src_vocab: int, tgt_vocab: int, max_len: int = 64,
+                 kv_heads: int = HEADS):
         super().__init__()
         self.src_embed = nn.Embedding(src_vocab, D_MODEL, padding_idx=dates.PAD)
         self.tgt_embed = nn.Embedding(tgt_vocab, D_MODEL)
         self.src_pos = nn.Parameter(torch.randn(max_len, D_MODEL) * 0.02)
         self.tgt_pos = nn.Parameter(torch.randn(max_len, D_MODEL) * 0.02)
-        self.encoder = nn.ModuleList(Block(False) for _ in range(LAYERS))
-        self.decoder = nn.ModuleList(Block(True) for _ in range(LAYERS))
+        self.encoder = nn.ModuleList(Block(False, kv_heads) for _ in range(LAYERS))
+        self.decoder = nn.ModuleList(Block(True, kv_heads) for _ in range(LAYERS))
         self.enc_norm = nn.LayerNorm(D_MODEL)
         self.dec_norm = nn.LayerNorm(D_MODEL)
         self.out = nn.Linear(D_MODEL, tgt_vocab)
@@ -212,11 +258,13 @@ class Transformer(nn.Module):
             c["k"] = k if c["k"] is None else torch.cat([c["k"], k], 2)
             c["v"] = v if c["v"] is None else torch.cat([c["v"], v], 2)
             q = project(block.self_attn, a, 0)
-            o = qtorch.scaled_dot_product_attention(q, c["k"], c["v"])  # all keys so far
+            o = qtorch.scaled_dot_product_attention(q, c["k"], c["v"],  # all keys so far
+                                                    enable_gqa=True)
             h = h + block.self_attn.out_proj(merge(o))
             a = block.norm2(h)
             q = project(block.cross_attn, a, 0)
-            o = qtorch.scaled_dot_product_attention(q, c["mk"], c["mv"], attn_mask=memory_mask)
+            o = qtorch.scaled_dot_product_attention(q, c["mk"], c["mv"], attn_mask=memory_mask,
+                                                    enable_gqa=True)
             h = h + block.cross_attn.out_proj(merge(o))
             h = h + block.ff(block.norm3(h))
             if want_weights and block is self.decoder[-1]:
@@ -323,8 +371,8 @@ def draw_alignment(results, name: str, path: pathlib.Path) -> None:
 
 # ---------------------------------------------------------------- timing
 
-def median_time(fn, repeats: int) -> float:
-    for _ in range(3):
+def median_time(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
@@ -391,26 +439,38 @@ def decode_costs(model: Transformer, repeats: int, n_source: int = 60) -> Dict[s
 
 # ---------------------------------------------------------------- main
 
+def settings(quick: bool) -> Dict[str, int]:
+    """Training steps, batch size and held-out dates of the two settings."""
+    return {"steps": 300 if quick else 2000, "batch": 32 if quick else 64,
+            "test": 256 if quick else 2000}
+
+
+def fit(name: str, make, quick: bool, seed: int, log=print):
+    """Trains make() (seeded) in the setting; returns the model, its results
+    (losses, time, held-out accuracy, parameters) and the evaluated examples."""
+    src, tgt = dates.source_vocab(), dates.target_vocab()
+    train_days, test_days = dates.split_dates(seed)
+    s = settings(quick)
+    torch.manual_seed(seed)
+    model = make()
+    parameters = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {parameters:,} parameters")
+    r = train(model, name, train_days, s["steps"], s["batch"], seed, src, tgt, log)
+    r["accuracy"], examples = evaluate(model, test_days, s["test"], seed, src, tgt)
+    r["parameters"] = parameters
+    log(f"{name}: held-out exact match {r['accuracy']:.1%} ({s['test']} dates never seen)")
+    return model, r, examples
+
+
 def run(quick: bool, out: pathlib.Path, seed: int = 0, log=print) -> Dict:
     """Trains and measures both models; writes PNGs into out; returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     src, tgt = dates.source_vocab(), dates.target_vocab()
-    train_days, test_days = dates.split_dates(seed)
-    steps = 300 if quick else 2000
-    batch_size = 32 if quick else 64
-    n_test = 256 if quick else 2000
-    results: Dict = {"quick": quick, "steps": steps, "batch": batch_size, "test": n_test,
-                     "models": {}}
+    test_days = dates.split_dates(seed)[1]
+    results: Dict = {"quick": quick, **settings(quick), "models": {}}
     for name, make in (("Bahdanau", lambda: Bahdanau(len(src), len(tgt))),
                        ("Transformer", lambda: Transformer(len(src), len(tgt)))):
-        torch.manual_seed(seed)
-        model = make()
-        log(f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters")
-        r = train(model, name, train_days, steps, batch_size, seed, src, tgt, log)
-        accuracy, examples = evaluate(model, test_days, n_test, seed, src, tgt)
-        r["accuracy"] = accuracy
-        r["parameters"] = sum(p.numel() for p in model.parameters())
-        log(f"{name}: held-out exact match {accuracy:.1%} ({n_test} dates never seen)")
+        model, r, examples = fit(name, make, quick, seed, log)
         picture = out / f"translation_{name.lower()}.png"
         draw_alignment(examples[:3], name, picture)
         r["picture"] = picture.name

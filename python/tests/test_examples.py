@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,19 @@ def test_applications_quick(tmp_path):
         assert 0.53 < model_auc < rule, (name, model_auc, rule)
         mass, share = rows[name][4].split("% (they are ")
         assert float(mass) > 1.5 * float(share.split("%")[0]), rows[name]
+    # The essays' numbers: every claim has its row. A full training step
+    # holds at least the scores and the probabilities (two matrices) at
+    # once; the blocked one holds no matrix (its output and tiles are a
+    # small fraction of one).
+    claims = page.split("## The essays' numbers, checked")[1]
+    for claim in ("needs 48 GB", "to 9 GB", "for 15% more time", "2.3x faster",
+                  "30% fewer parameters", "8x throughput", "infers 15x faster"):
+        assert claim in claims, claim
+    mb = lambda value, unit: float(value) * (1000 if unit == "GB" else 1)  # noqa: E731
+    full = re.search(r"\(one matrix ([\d.]+) (MB|GB)\) peaked ([\d.]+) (MB|GB) above its inputs "
+                     r"\(([\d.]+) matrices\)", claims)
+    assert full and float(full[5]) >= 1.9, claims
+    blocked = re.search(r"qkv's flash kernels\): ([\d.]+) (MB|GB) above the inputs", claims)
+    assert blocked and mb(*blocked.groups()) < 0.5 * mb(full[1], full[2]), claims
+    fewer = re.search(r"([\d.]+)% fewer parameters \(([\d.]+)% of the attention's\)", claims)
+    assert fewer and 0 < float(fewer[1]) < float(fewer[2]) == 37.5, claims
