@@ -36,29 +36,9 @@ from mpi4py import MPI
 
 import qkv
 import qkv.distributed
+from shard_checks import check, shard_rows, summary
 
 ROWS, BATCH, HEAD_DIM, SEED = 256, 1, 32, 2024
-U = 2.0**-24
-
-
-def shard_rows(layout: str, rank: int, ranks: int, n: int) -> torch.Tensor:
-    """The global rows rank `rank` holds, in shard order (from the layouts'
-    definition in qkv/distributed.hpp)."""
-    if layout == "contiguous":
-        return torch.arange(rank * n, (rank + 1) * n)
-    c = n // 2  # 2R chunks of n / 2 rows: rank r holds chunks r and 2R - 1 - r
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange((2 * ranks - 1 - rank) * c, (2 * ranks - rank) * c)])
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    d = (a.double() - b.double()).abs()
-    return float(torch.nan_to_num(d, nan=float("inf")).max())
-
-
-def max_finite(a: torch.Tensor) -> float:
-    a = a.double().abs()
-    return float(a[torch.isfinite(a)].max())
 
 
 class Reference:
@@ -107,25 +87,12 @@ def main() -> int:
         for what, dim in (("out", 1), ("lse", 2), ("dq", 1), ("dk", 1), ("dv", 1)):
             single = ref.single[what].index_select(dim, rows)
             exact = ref.exact[what].index_select(dim, rows)
-            bound = 2 * max_diff(single, exact) + 4 * merges * U * max_finite(exact)
-            error = max_diff(got[what], exact)
-            results.append((f"{name} {what}", error, bound, error <= bound))
+            results.append(check(f"{name} {what}", got[what], single, exact, merges))
 
     everyone = comm.gather(results, root=0)
-    if rank == 0:
-        for i, (check, *_) in enumerate(results):
-            per_rank = [(r[i][1] / r[i][2] if r[i][2] > 0 else float("inf"), j, r[i])
-                        for j, r in enumerate(everyone)]
-            _, worst, (_, error, bound, _) = max(per_rank, key=lambda t: t[0])
-            ok = all(r[i][3] for r in everyone)
-            print(f"{check}: max error {error:.3g}, bound {bound:.3g} "
-                  f"(worst on rank {worst} of {ranks}): {'ok' if ok else 'FAIL'}")
     failed = comm.allreduce(sum(not ok for *_, ok in results), op=MPI.SUM)
     if rank == 0:
-        if failed:
-            print(f"{failed} check(s) failed on {ranks} rank(s)")
-        else:
-            print(f"all {len(results)} checks passed on {ranks} rank{'s' if ranks > 1 else ''}")
+        print("\n".join(summary(everyone, ranks)))
     sys.stdout.flush()
     return 1 if failed else 0
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+import launch
 
 pytest.importorskip("mpi4py")
 # ImportError (not only ModuleNotFoundError) when qkv was built without MPI
@@ -37,16 +38,7 @@ def mpiexec(ranks: int, *args: str, timeout: float = 300) -> subprocess.Complete
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_btl_vader_single_copy_mechanism="none", OMP_NUM_THREADS="1")
     command = [MPIEXEC, "-n", str(ranks), "--oversubscribe", sys.executable, *args]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{' '.join(command)} ran past {timeout} s (a deadlock?)\n{stdout}\n"
-                    f"{stderr[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return launch.run(command, env, timeout, ROOT)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
