@@ -172,9 +172,9 @@ def sharing(quick: bool, seed: int = 0, transformer: Optional[Dict] = None, log=
                                   lambda: translation.Transformer(src, tgt, kv_heads=1),
                                   quick, seed, log)[1]
     for name in ("separate", "shared"):
-        block = translation.Transformer(src, tgt, kv_heads=4 if name == "separate" else 1)
+        model = translation.Transformer(src, tgt, kv_heads=4 if name == "separate" else 1)
         r[name]["attention_parameters"] = sum(
-            p.numel() for m in block.modules()
+            p.numel() for m in model.modules()
             if isinstance(m, (nn.MultiheadAttention, translation.GroupedAttention))
             for p in m.parameters())
     return r

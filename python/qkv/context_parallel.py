@@ -100,7 +100,7 @@ def _problem(q, k, v, group, layout, causal, scale, kind: str) -> str:
     """This rank's complaint about its arguments, or ''."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{kind}: {name} must be a torch.Tensor, got {type(x).__name__}")
+            return f"{name} must be a torch.Tensor, got {type(x).__name__}"
     if layout not in LAYOUTS:
         return f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -138,7 +138,8 @@ def _scale_bits(scale) -> int:
 
 
 def _check(q, k, v, group, layout, causal, scale, kind: str) -> None:
-    """Raises on every rank when any rank's arguments are bad or differ."""
+    """Raises on every rank when any rank's arguments are bad or differ: the
+    rank whose argument is not a tensor a TypeError, the others ValueError."""
     problem = _problem(q, k, v, group, layout, causal, scale, kind)
     facts = [0 if problem else 1]
     if not problem:
@@ -153,6 +154,8 @@ def _check(q, k, v, group, layout, causal, scale, kind: str) -> None:
         return
     said = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, problem, group=group)
+    if "must be a torch.Tensor" in problem:
+        raise TypeError(f"{kind}: {problem}")
     for rank, message in enumerate(said):
         if message:
             raise ValueError(f"{kind}: rank {rank}: {message}")

@@ -57,7 +57,7 @@ def _checked_maps(maps, n: int) -> torch.Tensor:
 
 
 def _top_edges(m: torch.Tensor, k: int):
-    """Each row's k largest weights of m [..., N, N]: key indices (uint16)
+    """Each row's k largest weights of m [..., N, N]: key indices (int16)
     and weights quantized to 0..255 of the row's largest (uint8)."""
     values, index = m.topk(min(k, m.shape[-1]), dim=-1)
     peak = values[..., :1].clamp_min(1e-30)

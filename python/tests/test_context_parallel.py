@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 
 import launch
@@ -70,6 +72,11 @@ BAD_ON_ONE_RANK = """
         cp.ring_attention(bad, bad, bad)
     except ValueError as e:
         say(f"{type(e).__name__} {e}")
+    q = [1.0] if rank == 1 else torch.ones(1, 8, 4, 16)
+    try:
+        cp.ulysses_attention(q, torch.ones(1, 8, 4, 16), torch.ones(1, 8, 4, 16))
+    except (TypeError, ValueError) as e:
+        say(f"{type(e).__name__} {e}")
     dist.destroy_process_group()
 """
 
@@ -85,7 +92,10 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
     assert lines == sorted(2 * [disagree.format("ring_attention"),
                                 disagree.format("ulysses_attention"),
                                 "ValueError ring_attention: rank 1: q must be 4-D [B, n, H, D], "
-                                "got shape (1, 8, 4)"]), done.stdout
+                                "got shape (1, 8, 4)"]
+                                + ["TypeError ulysses_attention: q must be a torch.Tensor, got list",
+                                   "ValueError ulysses_attention: rank 1: q must be a "
+                                   "torch.Tensor, got list"]), done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +173,18 @@ def test_bad_arguments(group, call, error, says):
     with pytest.raises(error) as raised:
         call(*inputs())
     assert says in str(raised.value)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([cp.ring_attention, cp.ulysses_attention]), st.sampled_from(cp.LAYOUTS),
+       st.booleans(), st.integers(1, 12), st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
+       st.sampled_from([8, 16, 24]), st.integers(0, 2**31))
+def test_one_rank_any_shape(group, function, layout, causal, half, heads, d, seed):
+    # Any shape the checks accept gives qkv.attention's result on one rank.
+    n = 2 * half
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, h, d, generator=g) for h in (heads[0], heads[1], heads[1]))
+    out = function(q, k, v, group, layout=layout, causal=causal)
+    torch.testing.assert_close(out, qkv.attention(q, k, v, causal=causal), rtol=0,
+                               atol=8 * 2.0**-24 * float(v.abs().max()))

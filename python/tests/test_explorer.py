@@ -9,6 +9,7 @@ QKV_EXPLORER_SCREENSHOT=path to keep the browser's screenshot of that page
 
 from __future__ import annotations
 
+import base64
 import os
 import pathlib
 import shutil
@@ -17,6 +18,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkv.explorer as explorer
 
@@ -35,13 +38,31 @@ def test_page_keeps_each_rows_top_keys():
     maps = random_maps(2, 3, 10)
     p = explorer.page([f"t{i}" for i in range(10)], maps, top_k=4, thumbnail=5,
                       rollout=torch.eye(10), attributions=torch.arange(10.0))
-    index = torch.frombuffer(bytearray(__import__("base64").b64decode(p["index"])),
+    index = torch.frombuffer(bytearray(base64.b64decode(p["index"])),
                              dtype=torch.int16).view(2, 3, 10, 4)
     assert torch.equal(index.long(), maps.topk(4, dim=-1).indices)
-    weight = torch.frombuffer(bytearray(__import__("base64").b64decode(p["weight"])),
+    weight = torch.frombuffer(bytearray(base64.b64decode(p["weight"])),
                               dtype=torch.uint8).view(2, 3, 10, 4)
     assert (weight[..., 0] == 255).all()  # each row scaled to its largest
     assert p["thumb"] == 5 and p["rollout"] == [0.1] * 10 and p["attributions"][9] == 9.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.integers(1, 3), st.integers(1, 12),
+       st.integers(1, 20), st.integers(0, 2**31))
+def test_page_of_any_shape(n, layers, heads, top_k, thumbnail, seed):
+    # Whatever the sizes, the stored edges are each row's strongest keys in
+    # range and the thumbnails are at most `thumbnail` cells a side.
+    maps = random_maps(layers, heads, n, seed)
+    p = explorer.page([str(i) for i in range(n)], maps, top_k=top_k, thumbnail=thumbnail)
+    k = min(top_k, n)
+    index = torch.frombuffer(bytearray(base64.b64decode(p["index"])), dtype=torch.int16)
+    assert p["k"] == k and index.numel() == layers * heads * n * k
+    assert 0 <= int(index.min()) and int(index.max()) < n
+    chosen = maps.gather(-1, index.long().view(layers, heads, n, k))
+    assert torch.equal(chosen, maps.topk(k, dim=-1).values)
+    thumbs = base64.b64decode(p["thumbs"])
+    assert p["thumb"] == min(n, thumbnail) and len(thumbs) == layers * heads * p["thumb"] ** 2
 
 
 @pytest.mark.parametrize("call, says", [
