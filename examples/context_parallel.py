@@ -10,7 +10,10 @@ larger, D = 32), takes its shard, and checks, in float32 and bfloat16:
 * causal ring attention (contiguous and zigzag layouts) and all-to-all
   (Ulysses) attention, forward and backward through torch autograd with
   loss = (out * dout).sum(): out, lse, dq, dk, dv against the same rows of
-  one single-process qkv.attention call. The error model
+  one single-process qkv.attention call; then ring (zigzag) and Ulysses
+  (contiguous) again with a window, a padded sequence (key_lengths), ALiBi,
+  a softcap, dropout and learned sinks (their gradient d_sinks too), all
+  of the whole problem. The error model
   (docs/distributed.md): the distance to the exact (float64) result is at
   most twice the single call's plus 4 R u max|exact| (u = 2^-24: the
   merges run in float32; R = 1 for the all-to-all);
@@ -44,34 +47,56 @@ from shard_checks import check, shard_rows, summary
 ROWS, BATCH, HEAD_DIM, SEED = 128, 1, 32, 2024
 
 
+def whole_options(hq: int, n_total: int) -> dict:
+    """The position-based options of the whole problem that the "options"
+    runs add to causal attention: a window, a padded sequence, ALiBi, a
+    softcap, dropout (the same mask as one call) and learned sinks."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    return dict(window=(96, 0), key_lengths=[n_total - 37], alibi_slopes=qkv.alibi_slopes(hq),
+                softcap=20.0, dropout_p=0.1, dropout_seed=7,
+                sinks=torch.randn(hq, generator=g))
+
+
 def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
     hkv = ranks * -(-2 // ranks)
     hq, n_total = 2 * hkv, ROWS * ranks
     g = torch.Generator().manual_seed(SEED)
     q, k, v, dout = (torch.randn(BATCH, n_total, h, HEAD_DIM, generator=g).to(dtype)
                      for h in (hq, hkv, hkv, hq))
+    extra = whole_options(hq, n_total)
 
-    def run(q, k, v, dout, backend):
-        r = qkv.attention(q, k, v, causal=True, return_lse=True, backend=backend)
-        gr = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True, backend=backend)
-        return {"out": r.out, "lse": r.lse, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+    def run(q, k, v, dout, backend, options):
+        r = qkv.attention(q, k, v, causal=True, return_lse=True, backend=backend, **options)
+        gr = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True, backend=backend,
+                                    **options)
+        return {"out": r.out, "lse": r.lse, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv,
+                "d_sinks": gr.d_sinks}
 
-    single = run(q, k, v, dout, "automatic")
-    exact = run(q.double(), k.double(), v.double(), dout.double(), "reference")
     results = []
-    for name, function, layout in (("ring contiguous", cp.ring_attention, "contiguous"),
-                                   ("ring zigzag", cp.ring_attention, "zigzag"),
-                                   ("ulysses zigzag", cp.ulysses_attention, "zigzag")):
+    for name, function, layout, options in (
+            ("ring contiguous", cp.ring_attention, "contiguous", {}),
+            ("ring zigzag", cp.ring_attention, "zigzag", {}),
+            ("ulysses zigzag", cp.ulysses_attention, "zigzag", {}),
+            ("ring zigzag options", cp.ring_attention, "zigzag", extra),
+            ("ulysses contiguous options", cp.ulysses_attention, "contiguous", extra)):
+        single = run(q, k, v, dout, "automatic", options)
+        exact = run(q.double(), k.double(), v.double(), dout.double(), "reference", options)
         rows = shard_rows(layout, rank, ranks, ROWS)
         qs, ks, vs = (x[:, rows].clone().requires_grad_(True) for x in (q, k, v))
-        r = function(qs, ks, vs, layout=layout, causal=True, return_lse=True)
+        mine = dict(options)
+        if "sinks" in options:
+            mine["sinks"] = options["sinks"].clone().requires_grad_(True)
+        r = function(qs, ks, vs, layout=layout, causal=True, return_lse=True, **mine)
         (r.out.float() * dout[:, rows].float()).sum().backward()
         got = {"out": r.out.detach(), "lse": r.lse, "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
         merges = ranks if name.startswith("ring") else 1
         for what, dim in (("out", 1), ("lse", 2), ("dq", 1), ("dk", 1), ("dv", 1)):
             results.append(check(f"{name} {str(dtype)[6:]} {what}", got[what],
-                                   single[what].index_select(dim, rows),
-                                   exact[what].index_select(dim, rows), merges))
+                                 single[what].index_select(dim, rows),
+                                 exact[what].index_select(dim, rows), merges))
+        if "sinks" in options:  # the whole problem's, on every rank
+            results.append(check(f"{name} {str(dtype)[6:]} d_sinks", mine["sinks"].grad,
+                                 single["d_sinks"], exact["d_sinks"], ranks))
     return results
 
 

@@ -1,7 +1,9 @@
 """qkv.context_parallel: attention over one long sequence split by its
 sequence axis across the ranks of a torch.distributed process group
 (context parallelism on CPU: the gloo backend), as qkv.distributed does
-over MPI, with the same functions, layouts and shapes.
+over MPI: the same functions, layouts, shapes and options, and the same
+native pieces between the messages (which piece a mask admits, its
+options, the log-sum-exp merge).
 
     import torch.distributed as dist
     import qkv.context_parallel as cp
@@ -29,17 +31,23 @@ layout says which rows a rank holds:
                   holds chunks r and 2R - 1 - r, back to back (the same
                   causal work on every rank)
 
-causal=True masks the whole sequence causally (nq == nk); scale defaults to
-Dk^-1/2. The gathered outputs equal one qkv.attention call on the gathered
+Options are qkv.attention's keywords and speak of the whole problem, as
+qkv.distributed's: scale, score="dot", causal with align, window=(left,
+right), key_lengths [B] (each <= R nk: padded sequences), alibi_slopes [Hq]
+or [B, Hq], sinks [Hq] (counted once per row; differentiable), softcap,
+dropout_p with dropout_seed / dropout_offset (the mask of one qkv.attention
+call on the gathered inputs) and backend; the others (masks, packed
+sequences, relative bias, additive scores, sparse patterns) are refused by
+name. The gathered outputs equal one qkv.attention call on the gathered
 inputs within the merge's rounding (docs/distributed.md has the error
 model).
 
 * ring_attention: each rank keeps its queries and passes the keys and values
   around the ring (R - 1 steps, each sent while the previous block is
-  attended); the partial results merge by their log-sum-exp in float32.
-  The backward passes the blocks around again with their key/value
-  gradients, which arrive home after R steps. Causal blocks above the
-  diagonal are skipped (the zigzag layout gives every rank the same work).
+  attended); pieces no query can attend are skipped, and the partial
+  results merge by their log-sum-exp into float32 accumulators. The
+  backward passes the blocks around again with their key/value gradients,
+  which arrive home after R steps.
 * ulysses_attention: two all-to-alls trade the sequence split for a head
   split, each rank attends a group of heads over the whole sequence in one
   call, and trades back. Hq must be a multiple of R; key/value heads are
@@ -54,113 +62,77 @@ the rank and the argument, and nobody waits forever.
 
 from __future__ import annotations
 
-import struct
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _api
+from . import _api, _arrays, _qkv
 from ._api import AttentionResult
 
 __all__ = ["AttentionResult", "LAYOUTS", "ring_attention", "ulysses_attention"]
 
 LAYOUTS = ("contiguous", "zigzag")
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-# ---------------------------------------------------------------- shards
-
-def _chunks(layout: str, rank: int, ranks: int, n: int) -> List[Tuple[int, int, int]]:
-    """(global first row, local first row, rows) of each piece of the
-    sequence that `rank` holds, in shard order."""
-    if layout == "contiguous":
-        return [(rank * n, 0, n)]
-    c = n // 2
-    return [(rank * c, 0, c), ((2 * ranks - 1 - rank) * c, c, c)]
-
-
-def _relation(q_chunk, k_chunk, causal: bool) -> Optional[bool]:
-    """How a query chunk sees a key chunk of the same grid: None (not at
-    all: above the causal diagonal), False (every key), True (causally: the
-    diagonal chunk)."""
-    if not causal:
-        return False
-    (qg, _, qn), (kg, _, kn) = q_chunk, k_chunk
-    if kg + kn <= qg:
-        return False
-    if kg >= qg + qn:
-        return None
-    return True
 
 
 # ---------------------------------------------------------------- checks
 
-def _problem(q, k, v, group, layout, causal, scale, kind: str) -> str:
-    """This rank's complaint about its arguments, or ''."""
+def _problem(q, k, v, group, layout, kind: str) -> str:
+    """What the native check cannot say about this rank's arguments, or ''."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(x).__name__}"
     if layout not in LAYOUTS:
         return f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            return f"{name} must be 4-D [B, n, H, D], got shape {tuple(x.shape)}"
         if x.device.type != "cpu":
             return f"{name} must be on the CPU, got {x.device}"
-        if x.dtype != q.dtype:
-            return f"{name} must have q's dtype {q.dtype}, got {x.dtype}"
-    if q.dtype not in _DTYPES:
-        return f"q must be float32, float64, bfloat16 or float16, got {q.dtype}"
-    (b, nq, hq, dk), (bk, nk, hkv, dkk), (bv, nv, hv, _) = q.shape, k.shape, v.shape
-    if (bk, bv) != (b, b) or nv != nk or hv != hkv or dkk != dk:
-        return (f"k [B, nk, Hkv, Dk] and v [B, nk, Hkv, Dv] must match q [B, nq, Hq, Dk] "
-                f"{tuple(q.shape)}; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if hkv == 0 or hq % hkv:
-        return f"Hq ({hq}) must be a multiple of Hkv ({hkv})"
-    if causal and nq != nk:
-        return f"causal attention needs as many query rows as keys per rank, got {nq} and {nk}"
-    if layout == "zigzag" and (nq % 2 or nk % 2):
-        return f"the zigzag layout needs an even number of rows per rank, got {nq} and {nk}"
-    if kind == "ulysses_attention" and hq % dist.get_world_size(group):
-        return (f"ulysses_attention splits the Hq = {hq} query heads over "
-                f"{dist.get_world_size(group)} ranks: Hq must be a multiple of it")
-    if scale is not None and not (isinstance(scale, (int, float)) and scale == scale):
-        return f"scale must be a number or None, got {scale!r}"
+    ranks = dist.get_world_size(group)
+    if kind == "ulysses_attention" and q.dim() == 4 and q.shape[2] % ranks:
+        return (f"ulysses_attention splits the Hq = {q.shape[2]} query heads over "
+                f"{ranks} ranks: Hq must be a multiple of it")
     return ""
 
 
-def _scale_bits(scale) -> int:
-    """scale as an integer that every rank computes alike (-1: None)."""
-    if scale is None:
-        return -1
-    return int.from_bytes(struct.pack("<d", float(scale)), "little") >> 1
-
-
-def _check(q, k, v, group, layout, causal, scale, kind: str) -> None:
-    """Raises on every rank when any rank's arguments are bad or differ: the
-    rank whose argument is not a tensor a TypeError, the others ValueError."""
-    problem = _problem(q, k, v, group, layout, causal, scale, kind)
-    facts = [0 if problem else 1]
+def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options":
+    """The native options of the call, after the collective check: raises on
+    every rank when any rank's arguments are bad or differ (the rank whose
+    argument is not a tensor a TypeError, the others ValueError)."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    problem, o, values, names, whole = _problem(q, k, v, group, layout, kind), None, [], [], []
+    error_type = TypeError if "must be a torch.Tensor" in problem else ValueError
     if not problem:
-        facts += [*q.shape, *k.shape, v.shape[3], _DTYPES.index(q.dtype),
-                  LAYOUTS.index(layout), int(causal), _scale_bits(scale)]
-    facts += [0] * (15 - len(facts))
-    t = torch.tensor(facts, dtype=torch.int64)
-    low, high = t.clone(), t.clone()
-    dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, dist.ReduceOp.MAX, group=group)
-    if torch.equal(low, high) and facts[0] == 1:
-        return
-    said = [None] * dist.get_world_size(group)
-    dist.all_gather_object(said, problem, group=group)
-    if "must be a torch.Tensor" in problem:
-        raise TypeError(f"{kind}: {problem}")
-    for rank, message in enumerate(said):
-        if message:
-            raise ValueError(f"{kind}: rank {rank}: {message}")
-    raise ValueError(f"{kind}: the ranks disagree on the shapes, dtype, layout, causal or "
-                     f"scale (every rank must pass the same)")
+        try:
+            o = _api._options(**options)
+            reasons, whole, names, values = _qkv.shard_check(
+                kind, *(_arrays.native(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                None, None, None, o, layout, rank, ranks, False)
+            problem = "; ".join(reasons)
+        except (TypeError, ValueError) as error:
+            problem = " ".join(str(error).split()) or type(error).__name__
+            error_type = type(error)
+    fine = torch.tensor([0 if problem else 1], dtype=torch.int64)
+    dist.all_reduce(fine, dist.ReduceOp.MIN, group=group)
+    if not fine.item():
+        said = [None] * ranks
+        dist.all_gather_object(said, problem, group=group)
+        if problem and error_type is TypeError:  # this rank's argument has the wrong type
+            raise TypeError(f"{kind}: {problem}")
+        first = next(r for r, message in enumerate(said) if message)
+        raise ValueError(f"{kind}: rank {first} of {ranks}: {said[first]}")
+    # Every rank passed the local checks, so every rank has the same names.
+    t = torch.tensor(values, dtype=torch.int64)
+    both = torch.cat([t, -t])
+    dist.all_reduce(both, dist.ReduceOp.MIN, group=group)
+    low, high = both[:len(values)], -both[len(values):]
+    differ = [f"{names[i]}: expected the same value on every rank, but the ranks differ "
+              f"(rank {rank}: {values[i]}, range over ranks: {low[i]} to {high[i]})"
+              for i in torch.nonzero(low != high).flatten().tolist()]
+    if differ:
+        raise ValueError(f"{kind}: " + "; ".join(differ))
+    if whole:  # the same on every rank: they agree
+        raise ValueError(f"{kind}: " + "; ".join(whole))
+    return o
 
 
 # ---------------------------------------------------------------- transport
@@ -202,80 +174,50 @@ def _wait(requests) -> None:
 
 # ---------------------------------------------------------------- ring
 
-def _work(x: torch.Tensor) -> torch.Tensor:
-    """float64 stays, the rest computes in float32 (qkv widens 16-bit
-    inputs to float32 inside its kernels, so this rounds nothing more)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def _around_the_ring(k, v, group, rank: int, ranks: int):
-    """Yields (source rank, its keys, its values) for each of the R steps,
-    as working tensors; the next block travels while the caller works on
-    this one."""
+    """Yields (source rank, its keys, its values) for each of the R steps;
+    the next block travels while the caller works on this one."""
     kv = _bytes(k, v)
     for step in range(ranks):
         requests = []
         if step + 1 < ranks:
             incoming, requests = _shift(kv, group, rank, ranks, KEYS_TAG)
-        ks, vs = (_work(x) for x in _unbytes(kv, k, v))
-        yield (rank - step) % ranks, ks, vs
+        yield (rank - step) % ranks, *_unbytes(kv, k, v)
         _wait(requests)
         if step + 1 < ranks:
             kv = incoming
 
 
-def _pieces(layout: str, rank: int, source: int, ranks: int, nq: int, nk: int, causal: bool):
-    """(query rows, key rows, causal) of each piece this rank computes
-    against the block of `source`; pieces above the causal diagonal skipped."""
-    for qc in _chunks(layout, rank, ranks, nq):
-        for kc in _chunks(layout, source, ranks, nk):
-            seen = _relation(qc, kc, causal)
-            if seen is not None:
-                yield slice(qc[1], qc[1] + qc[2]), slice(kc[1], kc[1] + kc[2]), seen
+def _real(x: torch.Tensor) -> torch.dtype:
+    """The accumulators' dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _ring_forward(q, k, v, group, layout, causal, scale):
+def _native(*xs: torch.Tensor):
+    return tuple(_arrays.native(x, "input") for x in xs)
+
+
+def _ring_forward(q, k, v, o, group, layout):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     b, nq, hq, _ = q.shape
-    nk, dv = k.shape[1], v.shape[3]
-    wq = _work(q)
-    out = torch.zeros(b, nq, hq, dv, dtype=wq.dtype)
-    lse = torch.full((b, hq, nq), float("-inf"), dtype=wq.dtype)
+    acc = torch.zeros(b, nq, hq, v.shape[3], dtype=_real(q))
+    acc_lse = torch.full((b, hq, nq), float("-inf"), dtype=_real(q))
     for source, ks, vs in _around_the_ring(k, v, group, rank, ranks):
-        for rows, keys, seen in _pieces(layout, rank, source, ranks, nq, nk, causal):
-            part = _api.attention(wq[:, rows], ks[:, keys], vs[:, keys], causal=seen,
-                                  scale=scale, return_lse=True)
-            _merge(out[:, rows], lse[:, :, rows], part.out, part.lse)
-    return out, lse
+        _api._run(_qkv.ring_forward_step, *_native(q, ks, vs, acc, acc_lse), o, layout, rank,
+                  source, ranks)
+    _api._run(_qkv.ring_add_sinks, *_native(q, k, v, acc, acc_lse), o, layout, rank, ranks)
+    return acc.to(q.dtype), acc_lse
 
 
-def _merge(out, lse, part_out, part_lse) -> None:
-    """(out, lse) <- the softmax merge of (out, lse) and a partial result
-    over other keys, in place: out = sum_i e^(lse_i - lse) out_i."""
-    merged = torch.logaddexp(lse, part_lse)
-    finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
-    keep = torch.exp(lse - finite).transpose(1, 2).unsqueeze(-1)
-    take = torch.exp(part_lse - finite).transpose(1, 2).unsqueeze(-1)
-    out.mul_(keep).add_(part_out * take)
-    lse.copy_(merged)
-
-
-def _ring_backward(q, k, v, out, dout, lse, group, layout, causal, scale):
+def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    nq, nk = q.shape[1], k.shape[1]
-    wq, wout, wdout = _work(q), _work(out), _work(dout)
-    dq = torch.zeros_like(wq)
+    dq = torch.zeros(q.shape, dtype=_real(q))
     grads = None  # the arriving block's key/value gradients so far, with its receive
     pending: list = []
     for source, ks, vs in _around_the_ring(k, v, group, rank, ranks):
-        dk, dv = torch.zeros_like(ks), torch.zeros_like(vs)
-        for rows, keys, seen in _pieces(layout, rank, source, ranks, nq, nk, causal):
-            g = _api.attention_backward(wq[:, rows], ks[:, keys], vs[:, keys], wout[:, rows],
-                                        wdout[:, rows], lse[:, :, rows].contiguous(),
-                                        causal=seen, scale=scale)
-            dq[:, rows] += g.dq
-            dk[:, keys] += g.dk
-            dv[:, keys] += g.dv
+        dk, dv = torch.zeros(k.shape, dtype=dq.dtype), torch.zeros(v.shape, dtype=dq.dtype)
+        _api._run(_qkv.ring_backward_step, *_native(q, ks, vs, out, dout, lse, dq, dk, dv), o,
+                  layout, rank, source, ranks)
         if grads is not None:  # the gradients of this block from the ranks before
             _wait(grads[1])
             dk_in, dv_in = _unbytes(grads[0], dk, dv)
@@ -293,7 +235,26 @@ def _ring_backward(q, k, v, out, dout, lse, group, layout, causal, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _sink_gradients(q, k, v, out, dout, lse, o, group, layout):
+    """d_sinks [Hq] of the whole problem: every rank's rows' part, summed."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = _api._run(_qkv.shard_sink_gradients, *_native(q, k, v, out, dout, lse), o, layout,
+                     rank, ranks)
+    d = torch.from_dlpack(mine)
+    dist.all_reduce(d, group=group)
+    return d
+
+
 # ---------------------------------------------------------------- ulysses
+
+def _chunks(layout: str, rank: int, ranks: int, n: int) -> List[Tuple[int, int, int]]:
+    """(global first row, local first row, rows) of each piece of the
+    sequence that `rank` holds, in shard order."""
+    if layout == "contiguous":
+        return [(rank * n, 0, n)]
+    c = n // 2
+    return [(rank * c, 0, c), ((2 * ranks - 1 - rank) * c, c, c)]
+
 
 def _to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
     """[B, n, H, D] sequence shards -> [B, R n, H / R, D]: all rows of this
@@ -341,73 +302,101 @@ def _kv_heads_grad(g: torch.Tensor, hkv: int) -> torch.Tensor:
     return g.view(b, n, hkv, h // hkv, d).sum(3)
 
 
+def _ulysses_forward(q, k, v, o, group, layout):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    hq = q.shape[2]
+    qh = _to_heads(q, group, layout)
+    kh = _to_heads(_kv_heads(k, hq, ranks), group, layout)
+    vh = _to_heads(_kv_heads(v, hq, ranks), group, layout)
+    b, total, hl, _ = qh.shape
+    out = torch.empty(b, total, hl, vh.shape[3], dtype=q.dtype)
+    lse = torch.empty(b, hl, total, dtype=_real(q))
+    _api._run(_qkv.heads_attention, *_native(qh, kh, vh, out, lse), o, rank, ranks)
+    return (qh, kh, vh, out, lse), out, lse
+
+
+def _ulysses_rows(out, lse, group, layout):
+    """The heads' out and lse back to this rank's rows."""
+    rows = _to_rows(out, group, layout)
+    # lse [B, Hq / R, R n] -> rows: through the same exchange as [B, R n, Hq / R, 1]
+    lse = _to_rows(lse.transpose(1, 2).unsqueeze(-1), group, layout)
+    return rows, lse.squeeze(-1).transpose(1, 2).contiguous()
+
+
+def _ulysses_backward(saved, dout, o, group, layout, hkv, with_sinks):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    qh, kh, vh, out, lse = saved
+    doh = _to_heads(dout.to(out.dtype), group, layout)
+    dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
+    d_sinks = torch.empty(qh.shape[2], dtype=lse.dtype) if with_sinks else None
+    _api._run(_qkv.heads_attention_backward, *_native(qh, kh, vh, out, doh, lse, dq, dk, dv),
+              None if d_sinks is None else _arrays.native(d_sinks, "d_sinks"), o, rank, ranks)
+    if d_sinks is not None:  # each rank's heads, gathered in head order
+        parts = [torch.empty_like(d_sinks) for _ in range(ranks)]
+        dist.all_gather(parts, d_sinks, group=group)
+        d_sinks = torch.cat(parts)
+    return (_to_rows(dq, group, layout), _kv_heads_grad(_to_rows(dk, group, layout), hkv),
+            _kv_heads_grad(_to_rows(dv, group, layout), hkv), d_sinks)
+
+
 # ---------------------------------------------------------------- autograd
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale):
-        out, lse = _ring_forward(q, k, v, group, layout, causal, scale)
+    def forward(ctx, q, k, v, sinks, o, group, layout):
+        # sinks (in o already) is an input for its gradient.
+        out, lse = _ring_forward(q, k, v, o, group, layout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale)
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
-
-
-class _Ulysses(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale):
-        ranks = dist.get_world_size(group)
-        hq = q.shape[2]
-        qh = _to_heads(q, group, layout)
-        kh = _to_heads(_kv_heads(k, hq, ranks), group, layout)
-        vh = _to_heads(_kv_heads(v, hq, ranks), group, layout)
-        r = _api.attention(qh, kh, vh, causal=causal, scale=scale, return_lse=True)
-        ctx.save_for_backward(qh, kh, vh, r.out, r.lse)
-        ctx.args = (group, layout, causal, scale, k.shape[2])
-        out = _to_rows(r.out, group, layout)
-        # lse [B, Hq / R, R n] -> rows: through the same exchange as [B, R n, Hq / R, 1]
-        lse = _to_rows(r.lse.transpose(1, 2).unsqueeze(-1), group, layout)
-        lse = lse.squeeze(-1).transpose(1, 2).contiguous()
+        ctx.args = (o, group, layout)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        qh, kh, vh, out, lse = ctx.saved_tensors
-        group, layout, causal, scale, hkv = ctx.args
-        doh = _to_heads(dout.to(out.dtype), group, layout)
-        g = _api.attention_backward(qh, kh, vh, out, doh, lse, causal=causal, scale=scale)
-        dq = _to_rows(g.dq, group, layout)
-        dk = _kv_heads_grad(_to_rows(g.dk, group, layout), hkv)
-        dv = _kv_heads_grad(_to_rows(g.dv, group, layout), hkv)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, *ctx.args)
+        d_sinks = None
+        if ctx.needs_input_grad[3]:
+            d_sinks = _sink_gradients(q, k, v, out, dout, lse, *ctx.args)
+        return dq, dk, dv, d_sinks, None, None, None
 
 
-def _attend(function, kind, q, k, v, group, layout, causal, scale, return_lse):
-    _check(q, k, v, group, layout, causal, scale, kind)
-    out, lse = function.apply(q, k, v, group, layout, causal, scale)
+class _Ulysses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, o, group, layout):
+        saved, out, lse = _ulysses_forward(q, k, v, o, group, layout)
+        ctx.save_for_backward(*saved)
+        ctx.args = (o, group, layout, k.shape[2], sinks is not None)
+        out, lse = _ulysses_rows(out, lse, group, layout)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv, d_sinks = _ulysses_backward(ctx.saved_tensors, dout, *ctx.args)
+        return dq, dk, dv, d_sinks if ctx.needs_input_grad[3] else None, None, None, None
+
+
+def _attend(function, kind, q, k, v, group, layout, return_lse, options):
+    o = _prepare(q, k, v, group, layout, kind, options)
+    sinks = options.get("sinks")
+    sinks = sinks if isinstance(sinks, torch.Tensor) else None
+    out, lse = function.apply(q, k, v, sinks, o, group, layout)
     return AttentionResult(out, lse, None) if return_lse else out
 
 
-def ring_attention(q, k, v, group=None, *, layout: str = "contiguous", causal: bool = False,
-                   scale: Optional[float] = None, return_lse: bool = False):
-    """Ring attention over the process group (None: the default group).
-    Shapes and layouts in the module docstring. Returns out, or
-    AttentionResult(out, lse, None) with return_lse."""
-    return _attend(_Ring, "ring_attention", q, k, v, group, layout, causal, scale, return_lse)
+def ring_attention(q, k, v, group=None, *, layout: str = "contiguous", return_lse: bool = False,
+                   **options):
+    """Ring attention over the process group (None: the default group), as
+    qkv.distributed.ring_attention over MPI. Shapes, layouts and options in
+    the module docstring. Returns out, or AttentionResult(out, lse, None)
+    with return_lse."""
+    return _attend(_Ring, "ring_attention", q, k, v, group, layout, return_lse, options)
 
 
 def ulysses_attention(q, k, v, group=None, *, layout: str = "contiguous",
-                      causal: bool = False, scale: Optional[float] = None,
-                      return_lse: bool = False):
+                      return_lse: bool = False, **options):
     """All-to-all (Ulysses) attention over the process group (None: the
-    default group). Shapes and layouts in the module docstring. Returns out,
-    or AttentionResult(out, lse, None) with return_lse."""
-    return _attend(_Ulysses, "ulysses_attention", q, k, v, group, layout, causal, scale,
-                   return_lse)
+    default group). Shapes, layouts and options in the module docstring.
+    Returns out, or AttentionResult(out, lse, None) with return_lse."""
+    return _attend(_Ulysses, "ulysses_attention", q, k, v, group, layout, return_lse, options)

@@ -36,6 +36,7 @@
 #include "arrays.hpp"
 #include "options.hpp"
 #include "qkv/error.hpp"
+#include "shards.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -62,12 +63,6 @@ MPI_Comm communicator(MPI_Fint handle) {
   MPI_Comm_test_inter(comm, &inter);
   if (inter) throw Error("comm: expected an intracommunicator, got an intercommunicator");
   return comm;
-}
-
-dist::Layout parse_layout(const std::string& s) {
-  if (s == "contiguous") return dist::Layout::contiguous;
-  if (s == "zigzag") return dist::Layout::zigzag;
-  throw Error("layout: expected 'contiguous' or 'zigzag', got '" + s + "'");
 }
 
 // The reasons of what went wrong on this rank, one a line ("" for nothing).

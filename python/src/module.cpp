@@ -19,6 +19,7 @@
 #include "exchange.hpp"
 #include "options.hpp"
 #include "qkv/qkv.hpp"
+#include "shards.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -462,6 +463,7 @@ NB_MODULE(_qkv, m) {
   m.def("get_num_threads", &omp_get_max_threads, "Threads the next call uses.");
 
   bind_modules(m);
+  bind_shards(m);
 #ifdef QKV_WITH_MPI
   bind_distributed(m);
 #endif

@@ -40,8 +40,10 @@ def test_example_under_torchrun(ranks):
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     lines = done.stdout.splitlines()
     checks = [f"{run} {dtype} {what}" for dtype in ("float32", "bfloat16")
-              for run in ("ring contiguous", "ring zigzag", "ulysses zigzag")
-              for what in ("out", "lse", "dq", "dk", "dv")]
+              for run in ("ring contiguous", "ring zigzag", "ulysses zigzag",
+                          "ring zigzag options", "ulysses contiguous options")
+              for what in ("out", "lse", "dq", "dk", "dv", "d_sinks")
+              if what != "d_sinks" or run.endswith("options")]
     checks += ["training step loss", "training step gradients"]
     assert len(lines) == len(checks) + 1, done.stdout
     for check, line in zip(checks, lines):
@@ -87,15 +89,18 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
     done = torchrun(2, str(script), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     lines = sorted(done.stdout.splitlines())
-    disagree = ("ValueError {}: the ranks disagree on the shapes, dtype, layout, causal or "
-                "scale (every rank must pass the same)")
-    assert lines == sorted(2 * [disagree.format("ring_attention"),
-                                disagree.format("ulysses_attention"),
-                                "ValueError ring_attention: rank 1: q must be 4-D [B, n, H, D], "
-                                "got shape (1, 8, 4)"]
-                                + ["TypeError ulysses_attention: q must be a torch.Tensor, got list",
-                                   "ValueError ulysses_attention: rank 1: q must be a "
-                                   "torch.Tensor, got list"]), done.stdout
+    rows = ("{}'s rows (dim 1): expected the same value on every rank, but the ranks differ "
+            "(rank {}: {}, range over ranks: 6 to 8)")
+    disagree = "ValueError {}: " + rows + "; " + rows
+    rank3 = "expected rank 4, got rank 3 with sizes [1, 8, 4]"
+    assert lines == sorted([disagree.format(kind, "q", rank, n, "k", rank, n)
+                            for kind in ("ring_attention", "ulysses_attention")
+                            for rank, n in ((0, 8), (1, 6))]
+                           + 2 * [f"ValueError ring_attention: rank 1 of 2: q: {rank3}; "
+                                  f"k: {rank3}; v: {rank3}"]
+                           + ["TypeError ulysses_attention: q must be a torch.Tensor, got list",
+                              "ValueError ulysses_attention: rank 1 of 2: q must be a "
+                              "torch.Tensor, got list"]), done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -149,25 +154,33 @@ def test_no_grad_and_default_group(group):
 
 @pytest.mark.parametrize("call, error, says", [
     (lambda q, k, v: cp.ring_attention(q, k, v, layout="striped"), ValueError,
-     "ring_attention: rank 0: layout must be one of contiguous, zigzag, got 'striped'"),
+     "ring_attention: rank 0 of 1: layout must be one of contiguous, zigzag, got 'striped'"),
     (lambda q, k, v: cp.ring_attention(q[0], k, v), ValueError,
-     "q must be 4-D [B, n, H, D], got shape (16, 4, 16)"),
+     "ring_attention: rank 0 of 1: q: expected rank 4, got rank 3 with sizes [16, 4, 16]"),
     (lambda q, k, v: cp.ring_attention(q.numpy(), k, v), TypeError,
      "ring_attention: q must be a torch.Tensor, got ndarray"),
     (lambda q, k, v: cp.ring_attention(q, k.double(), v), ValueError,
-     "k must have q's dtype torch.float32, got torch.float64"),
-    (lambda q, k, v: cp.ring_attention(q, k[:, :8], v[:, :8], causal=True), ValueError,
-     "causal attention needs as many query rows as keys per rank, got 16 and 8"),
+     "k: expected dtype f32 (the dtype of q), got f64"),
     (lambda q, k, v: cp.ring_attention(q[:, :15], k[:, :15], v[:, :15], layout="zigzag"),
-     ValueError, "the zigzag layout needs an even number of rows per rank, got 15 and 15"),
+     ValueError, "ring_attention: q, k: Layout::zigzag expects an even number of rows per rank "
+     "(two chunks), got 15 query and 15 key rows"),
     (lambda q, k, v: cp.ring_attention(q[:, :, :3], k, v), ValueError,
-     "Hq (3) must be a multiple of Hkv (2)"),
+     "q: query heads Hq = 3 must be a multiple of the KV heads Hkv = 2"),
     (lambda q, k, v: cp.ring_attention(q, k[..., :8], v), ValueError,
-     "k [B, nk, Hkv, Dk] and v [B, nk, Hkv, Dv] must match q"),
-    (lambda q, k, v: cp.ring_attention(q, k, v, scale="big"), ValueError,
-     "scale must be a number or None, got 'big'"),
+     "k: expected head dim (dim 3) 16 to match q's, got 8"),
+    (lambda q, k, v: cp.ring_attention(q, k, v, scale="big"), TypeError,
+     "ring_attention: scale: expected a float or None, got str"),
+    (lambda q, k, v: cp.ring_attention(q, k, v, bogus=1), TypeError,
+     "ring_attention: Options() got an unexpected keyword argument 'bogus'"),
     (lambda q, k, v: cp.ring_attention(q.int(), k.int(), v.int()), ValueError,
-     "q must be float32, float64, bfloat16 or float16, got torch.int32"),
+     "expected float32, float64, float16, bfloat16 or bool elements, got int32"),
+    (lambda q, k, v: cp.ring_attention(q, k, v, mask=torch.ones(16, 16, dtype=torch.bool)),
+     ValueError, "options.mask: not supported by qkv::dist::ring_attention"),
+    (lambda q, k, v: cp.ring_attention(q, k, v, key_lengths=[3, 40]), ValueError,
+     "options.key_lengths[1]: expected a length in [0, Nk = 16] (keys of the whole sequence), "
+     "got 40"),
+    (lambda q, k, v: cp.ulysses_attention(q, k, v, return_probs=True), ValueError,
+     "options.return_probs: not supported by qkv::dist::ulysses_attention"),
 ])
 def test_bad_arguments(group, call, error, says):
     with pytest.raises(error) as raised:
@@ -188,3 +201,26 @@ def test_one_rank_any_shape(group, function, layout, causal, half, heads, d, see
     out = function(q, k, v, group, layout=layout, causal=causal)
     torch.testing.assert_close(out, qkv.attention(q, k, v, causal=causal), rtol=0,
                                atol=8 * 2.0**-24 * float(v.abs().max()))
+
+
+@pytest.mark.parametrize("function", [cp.ring_attention, cp.ulysses_attention])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_one_rank_with_options(group, function, layout):
+    # The options of the whole problem reach every piece: one rank gives
+    # one qkv.attention call's result and gradients, the sinks' included
+    # (and dropout's mask).
+    q, k, v = (x.requires_grad_(True) for x in inputs())
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    options = dict(causal=True, window=(5, 0), key_lengths=[16, 11], softcap=8.0,
+                   alibi_slopes=qkv.alibi_slopes(4), dropout_p=0.2, dropout_seed=3)
+    r = function(q, k, v, group, layout=layout, return_lse=True, sinks=sinks, **options)
+    plain = dict(options, sinks=sinks.detach())
+    want = qkv.attention(q.detach(), k.detach(), v.detach(), return_lse=True, **plain)
+    torch.testing.assert_close(r.out, want.out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(r.lse, want.lse, rtol=0, atol=1e-6)
+    dout = torch.randn_like(r.out)
+    (r.out * dout).sum().backward()
+    g = qkv.attention_backward(q.detach(), k.detach(), v.detach(), want.out, dout, want.lse,
+                               **plain)
+    for got, expected in ((q.grad, g.dq), (k.grad, g.dk), (v.grad, g.dv), (sinks.grad, g.d_sinks)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -10,11 +10,8 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
-#include <span>
 #include <vector>
 
-#include "core/elements.hpp"
-#include "core/softmax_epilogue.hpp"
 #include "dist/shards.hpp"
 #include "qkv/distributed.hpp"
 
@@ -22,7 +19,6 @@ namespace qkv::dist {
 namespace {
 
 using detail::BatchGroup;
-using detail::Chunk;
 using detail::Setup;
 
 constexpr int kTagKv = 0x5171;      // K/V shard, hop to the next rank
@@ -57,17 +53,10 @@ struct PairBuffer {
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
-// Rows [b0, b0 + count) and [row0, row0 + rows) of a [B, N, H, D] view.
-ConstTensorView rows_of(ConstTensorView t, const BatchGroup& g, const Chunk& c) {
-  return t.slice(0, g.b0, g.count).slice(1, c.local, c.length);
-}
-
-// Query rows per kernel call. MPI moves a large message only while a rank
-// is inside an MPI call, so between calls of this size the ring drives the
-// transfers in flight (MPI_Testall): they then overlap the compute instead of
-// starting when it ends.
-constexpr std::int64_t kRowsPerCall = 1024;
-
+// MPI moves a large message only while a rank is inside an MPI call, so
+// between a step's kernel calls (detail::kRowsPerCall query rows each) the
+// ring drives the transfers in flight (MPI_Testall): they then overlap the
+// compute instead of starting when it ends.
 // Lets MPI progress the transfers in flight, without waiting.
 void progress(std::vector<MPI_Request>* const* lists, int n) {
   for (int i = 0; i < n; ++i) {
@@ -78,84 +67,9 @@ void progress(std::vector<MPI_Request>* const* lists, int n) {
   }
 }
 
-// Calls f(group, query rows, key chunk) for every piece of this step that
-// the masks may admit, in blocks of at most kRowsPerCall query rows with
-// `between` called between blocks; counts the pairs skipped.
-template <class F, class G>
-void for_each_piece(const Setup& s, const AttentionOptions& o,
-                    const std::vector<BatchGroup>& groups, int holder, RingStats& st, F&& f,
-                    G&& between) {
-  for (const BatchGroup& g : groups) {
-    for (const Chunk& qc : detail::chunks_of(s.layout, s.rank, s.ranks, s.nq)) {
-      for (const Chunk& kc : detail::chunks_of(s.layout, holder, s.ranks, s.nk)) {
-        if (!detail::may_attend(o, g, qc, kc)) {
-          ++st.pieces_skipped;
-          continue;
-        }
-        ++st.pieces_computed;
-        for (std::int64_t i = 0; i < qc.length; i += kRowsPerCall) {
-          const std::int64_t n = std::min(kRowsPerCall, qc.length - i);
-          const Chunk rows{qc.global + i, qc.local + i, n};
-          if (detail::may_attend(o, g, rows, kc)) f(g, rows, kc);
-          between();
-        }
-      }
-    }
-  }
-}
-
-// Merges one piece (out [count, rows, Hq, Dv], lse [count, Hq, rows]) into
-// the running result of its rows.
-template <class Real>
-void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Tensor& out,
-                 const Tensor& lse, Real* acc, Real* acc_lse) {
-  const std::int64_t dv = s.dv;
-  const std::int64_t n = g.count * qc.length * s.hq;
-#pragma omp parallel for schedule(static) if (n * dv >= (std::int64_t{1} << 16))
-  for (std::int64_t x = 0; x < n; ++x) {
-    const std::int64_t h = x % s.hq, i = (x / s.hq) % qc.length, b = x / (s.hq * qc.length);
-    thread_local std::vector<Real> piece, merged;
-    piece.resize(static_cast<std::size_t>(dv));
-    merged.resize(static_cast<std::size_t>(dv));
-    const std::int64_t at = x * dv;  // out is contiguous [count, rows, Hq, Dv]
-    if (s.dtype == DType::f32) {
-      const float* p = static_cast<const float*>(out.view().data()) + at;
-      std::copy(p, p + dv, piece.begin());
-    } else {
-      for (std::int64_t c = 0; c < dv; ++c) {
-        piece[static_cast<std::size_t>(c)] =
-            static_cast<Real>(qkv::detail::load(out.view().data(), s.dtype, at + c));
-      }
-    }
-    Real* row = acc + (((g.b0 + b) * s.nq + qc.local + i) * s.hq + h) * dv;
-    Real& row_lse = acc_lse[((g.b0 + b) * s.hq + h) * s.nq + qc.local + i];
-    const qkv::detail::SoftmaxPart<Real> parts[2] = {
-        {row_lse, Real(1), row},
-        {static_cast<Real>(
-             qkv::detail::load(lse.view().data(), s.stat_dtype, (b * s.hq + h) * qc.length + i)),
-         Real(1), piece.data()}};
-    row_lse = qkv::detail::merge_softmax_parts<Real>(
-        2, dv, [&](std::int64_t p) { return parts[p]; }, merged.data());
-    std::copy(merged.begin(), merged.end(), row);
-  }
-}
-
-// Adds each head's sink to the denominators of the merged rows (once: the
-// pieces have none), the finish of core/softmax_epilogue.hpp on one part.
-template <class Real>
-void add_sinks(const Setup& s, std::span<const float> sinks, Real* acc, Real* acc_lse) {
-  const std::int64_t n = s.batch * s.nq * s.hq;
-  std::vector<Real> merged(static_cast<std::size_t>(s.dv));
-  for (std::int64_t x = 0; x < n; ++x) {
-    const std::int64_t h = x % s.hq, i = (x / s.hq) % s.nq, b = x / (s.hq * s.nq);
-    Real* row = acc + x * s.dv;
-    Real& row_lse = acc_lse[(b * s.hq + h) * s.nq + i];
-    const qkv::detail::SoftmaxPart<Real> part{row_lse, Real(1), row};
-    row_lse = qkv::detail::merge_softmax_parts<Real>(
-        1, s.dv, [&](std::int64_t) { return part; }, merged.data(),
-        static_cast<Real>(sinks[static_cast<std::size_t>(h)]));
-    std::copy(merged.begin(), merged.end(), row);
-  }
+void count(const detail::PieceCounts& counts, RingStats& st) {
+  st.pieces_computed += counts.computed;
+  st.pieces_skipped += counts.skipped;
 }
 
 // Posts step t's K/V transfers: the held shard on to rank r + 1 while a
@@ -190,27 +104,19 @@ AttentionResult ring_forward(MPI_Comm comm, const Setup& s, ConstTensorView q, C
   copy(k, cur.first);
   copy(v, cur.second);
   std::vector<MPI_Request> sends, receives;
-  std::vector<std::int64_t> lengths;
   for (int t = 0; t < ranks; ++t) {
     const int holder = mod(r - t, ranks);
     const bool holding = t <= last[static_cast<std::size_t>(holder)];
     post_kv_transfers(comm, s, last, t, cur, next, sends, receives, st);
     const double start = MPI_Wtime();
     if (holding) {
-      for_each_piece(
-          s, o, groups, holder, st,
-          [&](const BatchGroup& g, const Chunk& qc, const Chunk& kc) {
-            const AttentionOptions po = detail::piece_options(o, s, g, qc, kc, lengths);
-            Tensor out(s.dtype, {g.count, qc.length, s.hq, s.dv});
-            Tensor lse(s.stat_dtype, {g.count, s.hq, qc.length});
-            attention_into(rows_of(q, g, qc), rows_of(cur.first, g, kc), rows_of(cur.second, g, kc),
-                           {.out = out, .lse = lse}, po);
-            merge_piece<Real>(s, g, qc, out, lse, acc.data(), acc_lse.data());
-          },
-          [&] {
-            std::vector<MPI_Request>* lists[] = {&sends, &receives};
-            progress(lists, 2);
-          });
+      detail::PieceCounts counts;
+      detail::ring_forward_step<Real>(s, o, groups, holder, q, cur.first, cur.second, acc.data(),
+                                      acc_lse.data(), counts, [&] {
+                                        std::vector<MPI_Request>* lists[] = {&sends, &receives};
+                                        progress(lists, 2);
+                                      });
+      count(counts, st);
     }
     const double computed = MPI_Wtime();
     st.compute_s += computed - start;
@@ -224,7 +130,7 @@ AttentionResult ring_forward(MPI_Comm comm, const Setup& s, ConstTensorView q, C
     st.wait_s += MPI_Wtime() - computed;
     std::swap(cur, next);
   }
-  if (!o.sinks.empty()) add_sinks<Real>(s, o.sinks, acc.data(), acc_lse.data());
+  if (!o.sinks.empty()) detail::add_sinks<Real>(s, o.sinks, acc.data(), acc_lse.data());
   AttentionResult result;
   result.out = Tensor(s.dtype, {s.batch, s.nq, s.hq, s.dv});
   detail::store_from(acc.data(), contiguous_strides(result.out.sizes()), result.out);
@@ -262,7 +168,6 @@ AttentionGradients ring_backward(MPI_Comm comm, const Setup& s, ConstTensorView 
                       comm, returns);
     ++st.receives;
   }
-  std::vector<std::int64_t> lengths;
   for (int t = 0; t < ranks; ++t) {
     const int holder = mod(r - t, ranks);
     const int holder_last = last[static_cast<std::size_t>(holder)];
@@ -278,32 +183,15 @@ AttentionGradients ring_backward(MPI_Comm comm, const Setup& s, ConstTensorView 
     const double start = MPI_Wtime();
     if (holding) {
       mine.zero();
-      for_each_piece(
-          s, o, groups, holder, st,
-          [&](const BatchGroup& g, const Chunk& qc, const Chunk& kc) {
-            const AttentionOptions po = detail::piece_options(o, s, g, qc, kc, lengths);
-            Tensor dq_piece(s.dtype, {g.count, qc.length, s.hq, s.dk});
-            Tensor dk_piece(s.dtype, {g.count, kc.length, s.hkv, s.dk});
-            Tensor dv_piece(s.dtype, {g.count, kc.length, s.hkv, s.dv});
-            attention_backward_into(rows_of(q, g, qc), rows_of(cur.first, g, kc),
-                                    rows_of(cur.second, g, kc), rows_of(out, g, qc),
-                                    rows_of(dout, g, qc),
-                                    lse.slice(0, g.b0, g.count).slice(2, qc.local, qc.length),
-                                    {.dq = dq_piece, .dk = dk_piece, .dv = dv_piece}, po);
-            detail::add_into<Real>(dq_piece, dq.data() + (g.b0 * s.nq + qc.local) * dq_strides[1],
-                                   dq_strides);
-            detail::add_into<Real>(
-                dk_piece, mine.first_data<Real>() + (g.b0 * s.nk + kc.local) * dk_strides[1],
-                dk_strides);
-            detail::add_into<Real>(
-                dv_piece, mine.second_data<Real>() + (g.b0 * s.nk + kc.local) * dv_strides[1],
-                dv_strides);
-          },
-          [&] {
+      detail::PieceCounts counts;
+      detail::ring_backward_step<Real>(
+          s, o, groups, holder, q, cur.first, cur.second, out, dout, lse, dq.data(),
+          mine.first_data<Real>(), mine.second_data<Real>(), counts, [&] {
             std::vector<MPI_Request>* lists[] = {&kv_sends,      &kv_receives,   &grad_sends[0],
                                                  &grad_sends[1], &grad_receives, &returns};
             progress(lists, 6);
           });
+      count(counts, st);
     }
     const double computed = MPI_Wtime();
     st.compute_s += computed - start;

@@ -73,29 +73,6 @@ Tensor to_rows(MPI_Comm comm, const Setup& s, ConstTensorView t) {
   return regroup(comm, s, t, 1, 2);
 }
 
-// The options of this rank's heads: dropout sees global heads, ALiBi and
-// sinks the values of those heads (ALiBi's into `slopes`).
-AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
-                              std::vector<float>& slopes) {
-  const std::int64_t hl = s.hq / s.ranks, h0 = s.rank * hl;
-  AttentionOptions p = o;
-  p.shard = {.head = h0, .heads = s.hq};
-  if (!o.alibi_slopes.empty()) {
-    const std::int64_t sequences = static_cast<std::int64_t>(o.alibi_slopes.size()) / s.hq;
-    slopes.clear();
-    for (std::int64_t b = 0; b < sequences; ++b) {
-      for (std::int64_t h = 0; h < hl; ++h) {
-        slopes.push_back(o.alibi_slopes[static_cast<std::size_t>(b * s.hq + h0 + h)]);
-      }
-    }
-    p.alibi_slopes = slopes;
-  }
-  if (!o.sinks.empty()) {
-    p.sinks = o.sinks.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
-  }
-  return p;
-}
-
 }  // namespace
 
 AttentionResult ulysses_attention(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
@@ -104,7 +81,7 @@ AttentionResult ulysses_attention(MPI_Comm comm, ConstTensorView q, ConstTensorV
       comm, q, k, v, options,
       {.function = "ulysses_attention", .layout = Layout::contiguous, .heads_divide = true});
   std::vector<float> slopes;
-  AttentionOptions o = head_options(options, s, slopes);
+  AttentionOptions o = detail::head_options(options, s, slopes);
   o.return_lse = options.return_lse;
   const Tensor qh = to_heads(comm, s, q), kh = to_heads(comm, s, k), vh = to_heads(comm, s, v);
   const AttentionResult local = attention(qh, kh, vh, o);
@@ -127,7 +104,7 @@ AttentionGradients ulysses_attention_backward(MPI_Comm comm, ConstTensorView q, 
                                                  .dout = dout,
                                                  .lse = lse});
   std::vector<float> slopes;
-  const AttentionOptions o = head_options(options, s, slopes);
+  const AttentionOptions o = detail::head_options(options, s, slopes);
   const Tensor qh = to_heads(comm, s, q), kh = to_heads(comm, s, k), vh = to_heads(comm, s, v);
   const Tensor oh = to_heads(comm, s, out), gh = to_heads(comm, s, dout);
   const Tensor lh = regroup(comm, s, lse, 1, 2);
