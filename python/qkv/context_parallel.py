@@ -348,6 +348,7 @@ class _Ring(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, o, group, layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (o, group, layout)
+        ctx.with_sinks = o.sinks is not None  # the same on every rank: they agreed
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -356,9 +357,9 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, *ctx.args)
         d_sinks = None
-        if ctx.needs_input_grad[3]:
+        if ctx.with_sinks:  # collective: on every rank, whether or not this one needs it
             d_sinks = _sink_gradients(q, k, v, out, dout, lse, *ctx.args)
-        return dq, dk, dv, d_sinks, None, None, None
+        return dq, dk, dv, d_sinks if ctx.needs_input_grad[3] else None, None, None, None
 
 
 class _Ulysses(torch.autograd.Function):
@@ -366,7 +367,7 @@ class _Ulysses(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, o, group, layout):
         saved, out, lse = _ulysses_forward(q, k, v, o, group, layout)
         ctx.save_for_backward(*saved)
-        ctx.args = (o, group, layout, k.shape[2], sinks is not None)
+        ctx.args = (o, group, layout, k.shape[2], o.sinks is not None)
         out, lse = _ulysses_rows(out, lse, group, layout)
         ctx.mark_non_differentiable(lse)
         return out, lse
