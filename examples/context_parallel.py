@@ -94,8 +94,10 @@ def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
             results.append(check(f"{name} {str(dtype)[6:]} {what}", got[what],
                                  single[what].index_select(dim, rows),
                                  exact[what].index_select(dim, rows), merges))
-        if "sinks" in options:  # the whole problem's, on every rank
-            results.append(check(f"{name} {str(dtype)[6:]} d_sinks", mine["sinks"].grad,
+        if "sinks" in options:  # each rank's share, summed as data parallelism would
+            d_sinks = mine["sinks"].grad.clone()
+            dist.all_reduce(d_sinks)
+            results.append(check(f"{name} {str(dtype)[6:]} d_sinks", d_sinks,
                                  single["d_sinks"], exact["d_sinks"], ranks))
     return results
 

@@ -54,7 +54,12 @@ model).
   repeated when R does not divide Hkv.
 
 Tensors that require grad are differentiable (torch autograd); the
-backward is collective too, so every rank must run it. Every call checks
+backward is collective too, so every rank must run it (the collective check
+makes sure that every rank's output requires grad, or none's). q, k and v
+get the gradients of their shards; the sinks, replicated on every rank,
+get this rank's share of theirs, so that summing sinks.grad over the ranks
+(as data parallelism does for any replicated parameter) gives the whole
+problem's. Every call checks
 its arguments collectively: when any rank's are bad or differ from the
 others', every rank raises ValueError (TypeError for a non-tensor) naming
 the rank and the argument, and nobody waits forever.
@@ -108,9 +113,9 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
                 kind, *(_arrays.native(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                 None, None, None, o, layout, rank, ranks, False)
             problem = "; ".join(reasons)
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 (any failure here is this rank's to tell)
             problem = " ".join(str(error).split()) or type(error).__name__
-            error_type = type(error)
+            error_type = TypeError if isinstance(error, TypeError) else ValueError
     fine = torch.tensor([0 if problem else 1], dtype=torch.int64)
     dist.all_reduce(fine, dist.ReduceOp.MIN, group=group)
     if not fine.item():
@@ -120,11 +125,14 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
             raise TypeError(f"{kind}: {problem}")
         first = next(r for r, message in enumerate(said) if message)
         raise ValueError(f"{kind}: rank {first} of {ranks}: {said[first]}")
-    # Every rank passed the local checks, so every rank has the same names.
-    t = torch.tensor(values, dtype=torch.int64)
-    both = torch.cat([t, -t])
-    dist.all_reduce(both, dist.ReduceOp.MIN, group=group)
-    low, high = both[:len(values)], -both[len(values):]
+    # Every rank passed the local checks, so every rank has the same names;
+    # and every rank must run the backward if any does (it is collective).
+    names = names + ["whether the output requires grad (q, k, v or sinks do)"]
+    values = values + [int(_differentiable(q, k, v, options.get("sinks")))]
+    low = torch.tensor(values, dtype=torch.int64)
+    high = low.clone()
+    dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, dist.ReduceOp.MAX, group=group)
     differ = [f"{names[i]}: expected the same value on every rank, but the ranks differ "
               f"(rank {rank}: {values[i]}, range over ranks: {low[i]} to {high[i]})"
               for i in torch.nonzero(low != high).flatten().tolist()]
@@ -133,6 +141,11 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
     if whole:  # the same on every rank: they agree
         raise ValueError(f"{kind}: " + "; ".join(whole))
     return o
+
+
+def _differentiable(*xs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
 # ---------------------------------------------------------------- transport
@@ -236,13 +249,11 @@ def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
 
 
 def _sink_gradients(q, k, v, out, dout, lse, o, group, layout):
-    """d_sinks [Hq] of the whole problem: every rank's rows' part, summed."""
+    """This rank's share of d_sinks [Hq]: its rows' part (the shares sum to
+    the whole problem's)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = _api._run(_qkv.shard_sink_gradients, *_native(q, k, v, out, dout, lse), o, layout,
-                     rank, ranks)
-    d = torch.from_dlpack(mine)
-    dist.all_reduce(d, group=group)
-    return d
+    return torch.from_dlpack(_api._run(_qkv.shard_sink_gradients,
+                                       *_native(q, k, v, out, dout, lse), o, layout, rank, ranks))
 
 
 # ---------------------------------------------------------------- ulysses
@@ -299,7 +310,7 @@ def _kv_heads_grad(g: torch.Tensor, hkv: int) -> torch.Tensor:
     if g.shape[2] == hkv:
         return g
     b, n, h, d = g.shape
-    return g.view(b, n, hkv, h // hkv, d).sum(3)
+    return g.view(b, n, hkv, h // hkv, d).sum(3, dtype=_real(g)).to(g.dtype)
 
 
 def _ulysses_forward(q, k, v, o, group, layout):
@@ -331,10 +342,10 @@ def _ulysses_backward(saved, dout, o, group, layout, hkv, with_sinks):
     d_sinks = torch.empty(qh.shape[2], dtype=lse.dtype) if with_sinks else None
     _api._run(_qkv.heads_attention_backward, *_native(qh, kh, vh, out, doh, lse, dq, dk, dv),
               None if d_sinks is None else _arrays.native(d_sinks, "d_sinks"), o, rank, ranks)
-    if d_sinks is not None:  # each rank's heads, gathered in head order
-        parts = [torch.empty_like(d_sinks) for _ in range(ranks)]
-        dist.all_gather(parts, d_sinks, group=group)
-        d_sinks = torch.cat(parts)
+    if d_sinks is not None:  # this rank's share: its heads' gradients, 0 for the others'
+        share = torch.zeros(qh.shape[2] * ranks, dtype=d_sinks.dtype)
+        share[rank * qh.shape[2]:(rank + 1) * qh.shape[2]] = d_sinks
+        d_sinks = share
     return (_to_rows(dq, group, layout), _kv_heads_grad(_to_rows(dk, group, layout), hkv),
             _kv_heads_grad(_to_rows(dv, group, layout), hkv), d_sinks)
 
@@ -348,7 +359,6 @@ class _Ring(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, o, group, layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (o, group, layout)
-        ctx.with_sinks = o.sinks is not None  # the same on every rank: they agreed
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -357,9 +367,9 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, *ctx.args)
         d_sinks = None
-        if ctx.with_sinks:  # collective: on every rank, whether or not this one needs it
+        if ctx.needs_input_grad[3]:
             d_sinks = _sink_gradients(q, k, v, out, dout, lse, *ctx.args)
-        return dq, dk, dv, d_sinks if ctx.needs_input_grad[3] else None, None, None, None
+        return dq, dk, dv, d_sinks, None, None, None
 
 
 class _Ulysses(torch.autograd.Function):

@@ -156,6 +156,7 @@ class _Call:
                  bf16_as_bits: bool):
         self.function, self.handle, self.options = function, handle, options
         self.layout, self.bf16_as_bits = layout, bf16_as_bits
+        self.rank = 0  # this rank in the communicator
 
     def forward(self, q, k, v) -> Tuple[Any, Any]:
         n = _arrays.native
@@ -207,7 +208,12 @@ def _autograd_function() -> Any:
                 dq, dk, dv, d_sinks = ctx.call.backward(q, k, v, out, dout, lse)
                 needs = ctx.needs_input_grad
                 if needs[4]:
+                    # The sinks are replicated, like any parameter under data
+                    # parallelism: each rank's gradient is its share, and the
+                    # shares sum to the whole problem's (rank 0 holds it).
                     d_sinks = d_sinks.to(ctx.sinks_dtype)
+                    if ctx.call.rank != 0:
+                        d_sinks = torch.zeros_like(d_sinks)
                 return (None, dq if needs[1] else None, dk if needs[2] else None,
                         dv if needs[3] else None, d_sinks if needs[4] else None)
 
@@ -247,6 +253,7 @@ def _attend(function: str, q, k, v, comm, layout: Optional[str], return_lse: boo
     try:
         if _differentiable(q, k, v, sinks):
             out, lse = _autograd_function().apply(call, q, k, v, sinks)
+            call.rank = comm.Get_rank()  # for the backward; comm passed the checks
         else:
             out, lse = call.forward(q, k, v)
     except TypeError as error:  # an argument nanobind could not convert: nothing was sent
@@ -302,6 +309,9 @@ def ring_attention(
     Returns out, or AttentionResult(out, lse, None) with return_lse; the kind
     of array q is. With torch tensors that require grad, out is
     differentiable (lse is not): every rank must then run backward through it.
+    The sinks' gradient (sinks.grad) is each rank's share of the whole
+    problem's (rank 0 holds it, the others zeros), so that summing it over
+    the ranks, as data parallelism does for replicated parameters, gives it.
     """
     return _attend(
         "ring_attention", q, k, v, comm, layout, return_lse,

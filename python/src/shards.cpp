@@ -51,6 +51,15 @@ namespace {
 using dist::detail::CallSpec;
 using dist::detail::Setup;
 
+// Checks that `rank` (and `holder`, a rank too) are ranks of `ranks`.
+void check_ranks(int rank, int ranks, int holder = 0) {
+  if (ranks < 1 || rank < 0 || rank >= ranks || holder < 0 || holder >= ranks) {
+    throw Error("rank, holder, ranks: expected 0 <= rank, holder < ranks, got rank " +
+                std::to_string(rank) + ", holder " + std::to_string(holder) + ", ranks " +
+                std::to_string(ranks));
+  }
+}
+
 CallSpec spec_of(const char* function, const std::string& layout, bool heads_divide = false) {
   return {.function = function, .layout = parse_layout(layout), .heads_divide = heads_divide};
 }
@@ -79,6 +88,7 @@ shard_check(const std::string& function, const In& q, const In& k, const In& v,
             const std::optional<In>& out, const std::optional<In>& dout,
             const std::optional<In>& lse, const Options& options, const std::string& layout,
             int rank, int ranks, bool heads_divide) {
+  check_ranks(rank, ranks);
   CallSpec spec = spec_of(function.c_str(), layout, heads_divide);
   spec.backward = out.has_value();
   spec.out = view_of(out, "out");
@@ -103,6 +113,7 @@ Real* data_of(TensorView t) {
 void ring_forward_step(const In& q, const In& k, const In& v, const Out& acc, const Out& acc_lse,
                        const Options& options, const std::string& layout, int rank, int holder,
                        int ranks) {
+  check_ranks(rank, ranks, holder);
   const AttentionOptions& o = options.to_cpp();
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
   const Setup s =
@@ -124,6 +135,7 @@ void ring_forward_step(const In& q, const In& k, const In& v, const Out& acc, co
 
 void ring_add_sinks(const In& q, const In& k, const In& v, const Out& acc, const Out& acc_lse,
                     const Options& options, const std::string& layout, int rank, int ranks) {
+  check_ranks(rank, ranks);
   const AttentionOptions& o = options.to_cpp();
   const Setup s = dist::detail::setup_of(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), o,
                                          spec_of("ring_attention", layout), rank, ranks);
@@ -143,6 +155,7 @@ void ring_backward_step(const In& q, const In& k, const In& v, const In& out, co
                         const In& lse, const Out& dq, const Out& dk, const Out& dv,
                         const Options& options, const std::string& layout, int rank, int holder,
                         int ranks) {
+  check_ranks(rank, ranks, holder);
   const AttentionOptions& o = options.to_cpp();
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
   const ConstTensorView ov = view_of(out, "out"), gv = view_of(dout, "dout"),
@@ -174,6 +187,7 @@ void ring_backward_step(const In& q, const In& k, const In& v, const In& out, co
 Array shard_sink_gradients(const In& q, const In& k, const In& v, const In& out, const In& dout,
                            const In& lse, const Options& options, const std::string& layout,
                            int rank, int ranks) {
+  check_ranks(rank, ranks);
   const AttentionOptions& o = options.to_cpp();
   CallSpec spec = spec_of("ring_attention_backward", layout);
   spec.backward = true;
@@ -192,7 +206,8 @@ Array shard_sink_gradients(const In& q, const In& k, const In& v, const In& out,
 
 // The geometry head_options reads: Hq of the whole problem, this rank of
 // `ranks`, from head-sharded q [B, N, Hq / R, Dk].
-Setup heads_of(ConstTensorView q, int rank, int ranks) {
+Setup heads_of(ConstTensorView q, const AttentionOptions& o, int rank, int ranks) {
+  check_ranks(rank, ranks);
   if (q.rank() != 4) {
     throw Error("q: expected [B, N, Hq / R, Dk], got " + std::to_string(q.rank()) + " dimensions");
   }
@@ -200,6 +215,15 @@ Setup heads_of(ConstTensorView q, int rank, int ranks) {
   s.rank = rank;
   s.ranks = ranks;
   s.hq = q.size(2) * ranks;
+  const auto hq = static_cast<std::size_t>(s.hq);
+  if (!o.sinks.empty() && o.sinks.size() != hq) {
+    throw Error("options.sinks: expected Hq = " + std::to_string(hq) + " logits (the heads of " +
+                "all ranks), got " + std::to_string(o.sinks.size()));
+  }
+  if (!o.alibi_slopes.empty() && (hq == 0 || o.alibi_slopes.size() % hq != 0)) {
+    throw Error("options.alibi_slopes: expected a multiple of Hq = " + std::to_string(hq) +
+                " slopes, got " + std::to_string(o.alibi_slopes.size()));
+  }
   return s;
 }
 
@@ -207,8 +231,8 @@ void heads_attention(const In& q, const In& k, const In& v, const Out& out, cons
                      const Options& options, int rank, int ranks) {
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
   std::vector<float> slopes;
-  const AttentionOptions o =
-      dist::detail::head_options(options.to_cpp(), heads_of(qv, rank, ranks), slopes);
+  const AttentionOptions o = dist::detail::head_options(
+      options.to_cpp(), heads_of(qv, options.to_cpp(), rank, ranks), slopes);
   const AttentionOutputs outputs{view_of(out, "out"), view_of(lse, "lse")};
   nb::gil_scoped_release release;
   attention_into(qv, kv, vv, outputs, o);
@@ -222,8 +246,8 @@ void heads_attention_backward(const In& q, const In& k, const In& v, const In& o
   const ConstTensorView ov = view_of(out, "out"), gv = view_of(dout, "dout"),
                         lv = view_of(lse, "lse");
   std::vector<float> slopes;
-  const AttentionOptions o =
-      dist::detail::head_options(options.to_cpp(), heads_of(qv, rank, ranks), slopes);
+  const AttentionOptions o = dist::detail::head_options(
+      options.to_cpp(), heads_of(qv, options.to_cpp(), rank, ranks), slopes);
   GradientOutputs grads{.dq = view_of(dq, "dq"), .dk = view_of(dk, "dk"), .dv = view_of(dv, "dv")};
   grads.d_sinks = view_of(d_sinks, "d_sinks");
   nb::gil_scoped_release release;

@@ -79,6 +79,11 @@ BAD_ON_ONE_RANK = """
         cp.ulysses_attention(q, torch.ones(1, 8, 4, 16), torch.ones(1, 8, 4, 16))
     except (TypeError, ValueError) as e:
         say(f"{type(e).__name__} {e}")
+    q = torch.ones(1, 8, 4, 16, requires_grad=rank == 0)  # the backward would wait for rank 1
+    try:
+        cp.ring_attention(q, q, q)
+    except ValueError as e:
+        say(f"{type(e).__name__} {e}")
     dist.destroy_process_group()
 """
 
@@ -100,7 +105,11 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
                                   f"k: {rank3}; v: {rank3}"]
                            + ["TypeError ulysses_attention: q must be a torch.Tensor, got list",
                               "ValueError ulysses_attention: rank 1 of 2: q must be a "
-                              "torch.Tensor, got list"]), done.stdout
+                              "torch.Tensor, got list"]
+                           + [f"ValueError ring_attention: whether the output requires grad (q, "
+                              f"k, v or sinks do): expected the same value on every rank, but "
+                              f"the ranks differ (rank {rank}: {1 - rank}, range over ranks: 0 "
+                              f"to 1)" for rank in (0, 1)]), done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -163,6 +163,24 @@ EVERY_OPTION = """
                 error = np.abs(got[finite] - want[finite]).max(initial=0.0)
                 assert error < 1e-12, (how, o, error)
                 worst = max(worst, error)
+    # Autograd: each rank's sinks.grad is its share; the shares sum to d_sinks.
+    import torch
+
+    o = options[-1]
+    whole = qkv.attention(q, k, v, return_lse=True, **o)
+    g = qkv.attention_backward(q, k, v, whole.out, dout, whole.lse, **o)
+    for how, rows in [*layouts.items(), ("ulysses", layouts["contiguous"])]:
+        sinks = torch.tensor(o["sinks"], dtype=torch.float64, requires_grad=True)
+        qs, ks, vs, ds = (torch.from_numpy(x[:, rows]) for x in (q, k, v, dout))
+        kw = dict(o, sinks=sinks)
+        if how == "ulysses":
+            out = d.ulysses_attention(qs.requires_grad_(), ks, vs, comm, **kw)
+        else:
+            out = d.ring_attention(qs.requires_grad_(), ks, vs, comm, layout=how, **kw)
+        (out * ds).sum().backward()
+        error = np.abs(comm.allreduce(sinks.grad.numpy()) - g.d_sinks).max()
+        assert error < 1e-12, (how, error)
+        worst = max(worst, error)
     worst = comm.gather(worst)  # printed by rank 0 alone: the ranks' lines would interleave
     if rank == 0:
         print("worst", *worst)
