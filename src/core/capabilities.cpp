@@ -26,11 +26,16 @@ struct Row {
 //   the key lengths, and its queries are the newest tokens (bottom-right).
 // - context_parallel: refused; qkv::dist cuts the sequence into pieces
 //   and sets options.shard itself.
+// An option without a row is taken by the forward and the backward alone
+// (kDefault): a new option is refused by name everywhere else until a path
+// learns it and the option gets its row. The capability test holds every
+// path to its letter, the backward's default included.
 // matmul_precision is a permission every path takes: one without faster
 // products computes at `highest`.
 // dropout_seed and dropout_offset are parameters of dropout_p, return_lse
 // and return_probs requests of the allocating forward; the backward takes
 // the forward's options whole and passes over the requests.
+constexpr const char* kDefault = "yy-----";
 constexpr Row kTable[] = {
     // clang-format off
     //                          f b a o s d c
@@ -47,7 +52,6 @@ constexpr Row kTable[] = {
     {Option::mask,           "yyy----"},
     {Option::alibi_slopes,   "yyy--yy"},
     {Option::sinks,          "yyy-yyy"},
-    {Option::relative_bias,  "yy-----"},
     {Option::softcap,        "yy--yyy"},
     {Option::score_mod,      "y------"},
     {Option::mask_mod,       "yyy----"},
@@ -63,21 +67,35 @@ constexpr Row kTable[] = {
     // clang-format on
 };
 
-constexpr bool table_is_complete() {
-  if (std::size(kTable) != kOptionCount) return false;
+constexpr bool is_path_string(const char* p) {
+  for (int c = 0; c < kPathCount; ++c) {
+    if (p[c] != 'y' && p[c] != '-') return false;
+  }
+  return p[kPathCount] == '\0' && p[0] == 'y';
+}
+
+// Rows in the options' order (so none twice), each with one 'y' or '-' per
+// Path and the forward's 'y'; the default likewise.
+constexpr bool table_is_valid() {
+  if (!is_path_string(kDefault)) return false;
   for (std::size_t i = 0; i < std::size(kTable); ++i) {
-    if (static_cast<std::size_t>(kTable[i].option) != i) return false;
-    const char* p = kTable[i].paths;
-    for (int c = 0; c < kPathCount; ++c) {
-      if (p[c] != 'y' && p[c] != '-') return false;
-    }
-    if (p[kPathCount] != '\0') return false;
+    if (i > 0 && !(kTable[i - 1].option < kTable[i].option)) return false;
+    if (!is_path_string(kTable[i].paths)) return false;
   }
   return true;
 }
-static_assert(table_is_complete(),
-              "kTable needs one row per option of QKV_ATTENTION_OPTIONS, in its order, each "
-              "with one 'y' or '-' per Path");
+static_assert(table_is_valid(),
+              "kTable's rows follow QKV_ATTENTION_OPTIONS' order, at most one per option, each "
+              "with one 'y' or '-' per Path, 'y' for the forward");
+
+// Every option's row, kDefault where it has none.
+constexpr std::array<const char*, kOptionCount> paths_of_options() {
+  std::array<const char*, kOptionCount> paths{};
+  paths.fill(kDefault);
+  for (const Row& row : kTable) paths[static_cast<std::size_t>(row.option)] = row.paths;
+  return paths;
+}
+constexpr std::array<const char*, kOptionCount> kPaths = paths_of_options();
 
 }  // namespace
 
@@ -102,13 +120,14 @@ const char* path_name(Path path) {
 }
 
 bool supports(Path path, Option option) {
-  return kTable[static_cast<std::size_t>(option)].paths[static_cast<int>(path)] == 'y';
+  return kPaths[static_cast<std::size_t>(option)][static_cast<int>(path)] == 'y';
 }
 
 std::vector<Option> unsupported(Path path, const AttentionOptions& options) {
   std::vector<Option> out;
-  for (const Row& row : kTable) {
-    if (!supports(path, row.option) && is_on(options, row.option)) out.push_back(row.option);
+  for (std::size_t i = 0; i < kOptionCount; ++i) {
+    const auto option = static_cast<Option>(i);
+    if (!supports(path, option) && is_on(options, option)) out.push_back(option);
   }
   return out;
 }
