@@ -123,7 +123,7 @@ SAMPLE_DECODE_LINE = (
     '"window":[-1,-1],"threads":2,"seconds":0.0001,"gflops":10,"peak_gflops":100,'
     '"fraction_of_peak":0.1,"extra_bytes":0,"target":"AVX2","cache_dtype":"f16","L":256,'
     '"bytes_per_second":2e10,"probe_bytes_per_second":4e10,"fraction_of_bandwidth":0.5,'
-    '"tokens_per_second":20000}'
+    '"tokens_per_second":20000,"best_seconds":0.00008,"best_fraction_of_bandwidth":0.625}'
 )
 
 

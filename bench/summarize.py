@@ -33,9 +33,9 @@ from typing import Any, Iterable
 HEADER = ("| case | qkv ms | qkv GFLOP/s | qkv % peak | naive ms | naive % peak | qkv / naive "
           "| qkv extra MB | naive extra MB |")
 ALIGN = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-DECODE_HEADER = ("| case | cache | ms | GB/s | probe GB/s | % of bandwidth | tokens/s "
-                 "| extra MB |")
-DECODE_ALIGN = "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+DECODE_HEADER = ("| case | cache | ms | GB/s | probe GB/s | % of bandwidth | best run, % "
+                 "| tokens/s | extra MB |")
+DECODE_ALIGN = "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 TORCH_HEADER = " torch ms | speedup vs torch |"
 TORCH_ALIGN = " ---: | ---: |"
 
@@ -62,6 +62,8 @@ def decode_row(name: str, q: dict[str, Any], torch: dict[str, Any] | None,
     cells = [name, q["cache_dtype"], f"{q['seconds'] * 1e3:.2f}",
              f"{q['bytes_per_second'] / 1e9:.2f}", f"{q['probe_bytes_per_second'] / 1e9:.1f}",
              f"{100 * q['fraction_of_bandwidth']:.1f}",
+             f"{100 * q['best_fraction_of_bandwidth']:.1f}" if "best_fraction_of_bandwidth" in q
+             else "",
              f"{q['tokens_per_second']:.1f}", f"{q['extra_bytes'] / 2**20:.1f}"]
     if with_torch:
         cells += ([f"{torch['torch_seconds'] * 1e3:.2f}", f"{torch['speedup']:.2f}x"]
@@ -99,6 +101,9 @@ def main() -> None:
         if "probe_bytes_per_second" in probe:
             text += (f", read bandwidth {probe['probe_bytes_per_second'] / 1e9:.1f} GB/s"
                      f" ({probe['probe_buffer_bytes'] / 2**20:.0f} MiB buffer)")
+            if probe.get("probe_widen_bytes_per_second"):
+                text += (f", {probe['probe_widen_bytes_per_second'] / 1e9:.1f} GB/s widening"
+                         " f16 with 4 FMAs per value")
         print(f"{text} on {probe['threads']} threads\n")
     for index, (suite, cases) in enumerate(suites.items()):
         if index > 0:

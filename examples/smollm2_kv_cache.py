@@ -52,6 +52,28 @@ and the keeper retired, the town turned his kitchen into a museum. Children
 still visit it today. They look at the heavy logbooks, the brass telescope
 and the photographs of the storm, and they climb the narrow stairs to the
 gallery to see the sea the way he saw it.
+
+The museum keeps a copy of the logbook from the night of the storm. The
+entries are short. At nine the wind was from the north-east and rising, at
+eleven the rain turned to sleet, and at a quarter past one the keeper wrote
+that he had seen three red flares to the south. The next line gives the time
+of his call to the harbour master, and the one after it the time the
+lifeboat passed the pier. Then there is nothing for almost four hours,
+except a note that the lamp had been trimmed twice. At dawn he wrote that
+the ship was aground on the sand bar, that her crew had been taken off, and
+that the wind had started to drop. The last entry of the day says only that
+the sky was clear in the evening and that the barometer was rising.
+
+Visitors often ask why he never wrote more. His daughter, who still lives in
+the town, says that her father believed a logbook was for facts, not
+feelings, and that the men in the lifeboat had done the hard work. He kept
+the light for thirty-one years. In all that time he missed only two nights,
+both because of a fever, and on both nights his wife climbed the stairs in
+his place. When the new automatic lamp was installed, the engineers asked
+him to show them how the old one worked. He spent a whole afternoon with
+them, explaining the clockwork, the lenses and the way the flame had to be
+set, and at the end he asked if he could keep one of the old wicks. It is
+in the museum now, in a small glass case beside his chair.
 """
 
 PROMPT = "Explain in a few sentences why the sky is blue."

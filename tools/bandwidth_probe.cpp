@@ -5,6 +5,7 @@
 #define HWY_TARGET_INCLUDE "bandwidth_probe.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // (foreach_target.h must come first: it re-includes this file per target.)
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -26,6 +27,41 @@ float SumStream(const float* HWY_RESTRICT data, std::size_t count) {
     a3 = hn::Add(a3, hn::Load(d, data + i + 3 * n));
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+}
+
+// Streams `count` f16 values of `data` (aligned; count a multiple of 4
+// vectors) with a decode step's arithmetic on an f16 cache and nothing else:
+// each vector widened to f32 and multiplied into four accumulating rows (the
+// four query rows per KV head of GQA 32/8), the line 4 KiB ahead fetched
+// into L1 (the fastest of the prefetch settings measured on the Sapphire
+// Rapids-class VM, 2026-12-05). What it reads per second bounds what a
+// kernel doing that arithmetic can read; the plain sum bounds the rest.
+float WidenStream(const hwy::float16_t* HWY_RESTRICT data, std::size_t count) {
+  const hn::ScalableTag<float> d;
+  const hn::Rebind<hwy::float16_t, decltype(d)> d16;
+  const std::size_t n = hn::Lanes(d);
+  constexpr int kRows = 4, kVecs = 4;
+  constexpr std::size_t kAhead = 4096 / sizeof(hwy::float16_t);
+  hn::Vec<decltype(d)> q[kRows], acc[kRows][kVecs];
+  for (int u = 0; u < kRows; ++u) {
+    q[u] = hn::Set(d, 0.25f * static_cast<float>(u + 1));
+    for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::Zero(d);
+  }
+  for (std::size_t i = 0; i < count; i += kVecs * n) {
+    // One prefetch per 64-byte line of the step (past the end: no fault).
+    for (std::size_t line = 0; line < kVecs * n; line += 64 / sizeof(hwy::float16_t)) {
+      hwy::Prefetch(data + i + line + kAhead);
+    }
+    for (int k = 0; k < kVecs; ++k) {
+      const auto v = hn::PromoteTo(d, hn::Load(d16, data + i + k * n));
+      for (int u = 0; u < kRows; ++u) acc[u][k] = hn::MulAdd(v, q[u], acc[u][k]);
+    }
+  }
+  auto sum = hn::Zero(d);
+  for (int u = 0; u < kRows; ++u) {
+    for (int k = 0; k < kVecs; ++k) sum = hn::Add(sum, acc[u][k]);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, sum));
 }
 
 const char* StreamTarget() { return hwy::TargetName(HWY_TARGET); }
@@ -56,6 +92,7 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::tools {
 
 HWY_EXPORT(SumStream);
+HWY_EXPORT(WidenStream);
 HWY_EXPORT(StreamTarget);
 
 namespace {
@@ -100,17 +137,21 @@ std::int64_t total_l3_bytes() {
   return total;
 }
 
-// One run: every thread sums its slice at once, timed from the start of the
+// One run: every thread streams its slice at once (SumStream, or
+// WidenStream over the same bytes as f16), timed from the start of the
 // parallel region to its closing barrier. Returns the seconds. (Should the
 // runtime give fewer threads than asked, the team still reads every slice.)
-double run_once(const float* data, std::size_t slice, int threads) {
+double run_once(const float* data, std::size_t slice, int threads, bool widen) {
   const auto sum_stream = HWY_DYNAMIC_DISPATCH(SumStream);
+  const auto widen_stream = HWY_DYNAMIC_DISPATCH(WidenStream);
   std::vector<float> sinks(static_cast<std::size_t>(threads));
   const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads)
   for (int s = omp_get_thread_num(); s < threads; s += omp_get_num_threads()) {
     const auto t = static_cast<std::size_t>(s);
-    sinks[t] = sum_stream(data + t * slice, slice);
+    sinks[t] =
+        widen ? widen_stream(reinterpret_cast<const hwy::float16_t*>(data + t * slice), 2 * slice)
+              : sum_stream(data + t * slice, slice);
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
   return elapsed.count();
@@ -118,7 +159,7 @@ double run_once(const float* data, std::size_t slice, int threads) {
 
 }  // namespace
 
-BandwidthProbe probe_read_bandwidth(int threads) {
+BandwidthProbe probe_read_bandwidth(int threads, bool with_widening) {
   constexpr std::int64_t kMinBytes = std::int64_t{512} << 20;
   constexpr int kRuns = 5;
   // Slices of whole 4 KiB pages: aligned, and a multiple of 4 vectors of
@@ -149,10 +190,14 @@ BandwidthProbe probe_read_bandwidth(int threads) {
   result.buffer_bytes = static_cast<std::int64_t>(floats * sizeof(float));
   result.threads = threads;
   result.target = HWY_DYNAMIC_DISPATCH(StreamTarget)();
+  const auto bytes = static_cast<double>(result.buffer_bytes);
   for (int r = 0; r < kRuns; ++r) {
-    const double seconds = run_once(data, slice, threads);
     result.bytes_per_second =
-        std::max(result.bytes_per_second, static_cast<double>(result.buffer_bytes) / seconds);
+        std::max(result.bytes_per_second, bytes / run_once(data, slice, threads, false));
+    if (with_widening) {
+      result.widen_bytes_per_second =
+          std::max(result.widen_bytes_per_second, bytes / run_once(data, slice, threads, true));
+    }
   }
   return result;
 }

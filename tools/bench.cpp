@@ -266,6 +266,7 @@ struct Row {
   Timing timing;
   double gflops = 0.0;
   double bytes_per_second = 0.0;        // decode: cached K and V bytes read per second
+  double best_bytes_per_second = 0.0;   // decode: the same in the fastest run
   double peak_gflops = 0.0;             // the FMA peak the row is read against (ProbeBracket)
   double probe_bytes_per_second = 0.0;  // decode: the read bandwidth likewise
 };
@@ -301,11 +302,13 @@ std::string json_line(const Row& r, int threads, const char* target) {
     std::snprintf(text, sizeof text,
                   ",\"cache_dtype\":\"%.*s\",\"L\":%lld,\"bytes_per_second\":%.6g,"
                   "\"probe_bytes_per_second\":%.6g,\"fraction_of_bandwidth\":%.4g,"
-                  "\"tokens_per_second\":%.6g",
+                  "\"tokens_per_second\":%.6g,\"best_seconds\":%.6g,"
+                  "\"best_fraction_of_bandwidth\":%.4g",
                   static_cast<int>(std::strlen(storage_name(c.cache_storage))),
                   storage_name(c.cache_storage), static_cast<long long>(c.nk), r.bytes_per_second,
                   bandwidth, r.bytes_per_second / bandwidth,
-                  static_cast<double>(c.b * c.nq) / r.timing.seconds);
+                  static_cast<double>(c.b * c.nq) / r.timing.seconds, r.timing.best_seconds,
+                  r.best_bytes_per_second / bandwidth);
     line += text;
   }
   return line + "}";
@@ -314,10 +317,12 @@ std::string json_line(const Row& r, int threads, const char* target) {
 std::string table_line(const Row& r, int name_width) {
   char text[512];
   if (r.c->pass == Pass::decode) {
-    std::snprintf(text, sizeof text, "%-*s  %-5.*s  %10.3f  %9.2f  %9.1f  %10.1f  %9.1f  %9.1f",
-                  name_width, r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
+    std::snprintf(text, sizeof text,
+                  "%-*s  %-5.*s  %10.3f  %9.2f  %9.1f  %9.1f  %10.1f  %9.1f  %9.1f", name_width,
+                  r.c->name.c_str(), static_cast<int>(r.impl.size()), r.impl.data(),
                   r.timing.seconds * 1e3, r.bytes_per_second / 1e9,
                   100.0 * r.bytes_per_second / r.probe_bytes_per_second,
+                  100.0 * r.best_bytes_per_second / r.probe_bytes_per_second,
                   static_cast<double>(r.c->b * r.c->nq) / r.timing.seconds, r.gflops,
                   static_cast<double>(r.timing.extra_bytes) / 1e6);
     return text;
@@ -333,8 +338,9 @@ std::string table_line(const Row& r, int name_width) {
 std::string table_header(int name_width, bool decode) {
   char text[512];
   if (decode) {
-    std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %10s  %9s  %9s", name_width,
-                  "name", "impl", "ms", "GB/s", "% of bw", "tokens/s", "GFLOP/s", "extra MB");
+    std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %9s  %10s  %9s  %9s", name_width,
+                  "name", "impl", "ms", "GB/s", "% of bw", "best %", "tokens/s", "GFLOP/s",
+                  "extra MB");
   } else {
     std::snprintf(text, sizeof text, "%-*s  %-5s  %10s  %9s  %9s  %9s", name_width, "name", "impl",
                   "ms", "GFLOP/s", "% of peak", "extra MB");
@@ -473,9 +479,11 @@ void print_probes(std::ostream& out, const BenchOptions& options, const Probes& 
                                peak.gflops, peak.threads, peak.target);
     if (probes.bandwidth) {
       length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                              ",\"probe_bytes_per_second\":%.6g,\"probe_buffer_bytes\":%lld",
+                              ",\"probe_bytes_per_second\":%.6g,\"probe_buffer_bytes\":%lld,"
+                              "\"probe_widen_bytes_per_second\":%.6g",
                               probes.bandwidth->bytes_per_second,
-                              static_cast<long long>(probes.bandwidth->buffer_bytes));
+                              static_cast<long long>(probes.bandwidth->buffer_bytes),
+                              probes.bandwidth->widen_bytes_per_second);
     }
     out << header << "}" << std::endl;
     return;
@@ -484,15 +492,18 @@ void print_probes(std::ostream& out, const BenchOptions& options, const Probes& 
                              "At the start: FMA peak %.1f GFLOP/s (%s probe, %d threads); ",
                              peak.gflops, peak.target, peak.threads);
   if (probes.bandwidth) {
-    length += std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                            "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads); ",
-                            probes.bandwidth->bytes_per_second / 1e9, probes.bandwidth->target,
-                            static_cast<long long>(probes.bandwidth->buffer_bytes >> 20),
-                            probes.bandwidth->threads);
+    length +=
+        std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
+                      "read bandwidth %.1f GB/s (%s probe, %lld MiB, %d threads), "
+                      "%.1f GB/s widening f16 with 4 FMAs per value; ",
+                      probes.bandwidth->bytes_per_second / 1e9, probes.bandwidth->target,
+                      static_cast<long long>(probes.bandwidth->buffer_bytes >> 20),
+                      probes.bandwidth->threads, probes.bandwidth->widen_bytes_per_second / 1e9);
   }
   std::snprintf(header + length, sizeof header - static_cast<std::size_t>(length),
-                "kernels: %s; median of %d runs, each case against the probes around it", target,
-                options.repeats);
+                "kernels: %s; median of %d runs, each case against the probes around it%s", target,
+                options.repeats,
+                probes.bandwidth ? " (best %: the fastest run, as the probe takes its best)" : "");
   out << header << std::endl;
 }
 
@@ -631,7 +642,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
     name_width = std::max(name_width, static_cast<int>(c.name.size()));
     runs += c.naive ? 2 : 1;
     if (c.pass == Pass::decode && !probes.bandwidth) {
-      probes.bandwidth = probe_read_bandwidth(options.threads);
+      probes.bandwidth = probe_read_bandwidth(options.threads, /*with_widening=*/true);
     }
   }
   print_probes(out, options, probes, target);
@@ -667,6 +678,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
       if (c.pass == Pass::decode) {
         // Decoding reads memory: probe the bandwidth again; the peak stands.
         row.bytes_per_second = static_cast<double>(cache_bytes(c)) / timing.seconds;
+        row.best_bytes_per_second = static_cast<double>(cache_bytes(c)) / timing.best_seconds;
         row.probe_bytes_per_second = bandwidth_bracket->next();
         row.peak_gflops = peak_bracket.last();
       } else {

@@ -92,7 +92,7 @@ Timing measure(const std::function<void()>& run, int repeats) {
   const std::size_t mid = seconds.size() / 2;
   const double median =
       seconds.size() % 2 == 1 ? seconds[mid] : (seconds[mid - 1] + seconds[mid]) / 2.0;
-  return {median, growth.bytes()};
+  return {median, seconds.front(), growth.bytes()};
 }
 
 std::string probe_line(const PeakProbe& peak, const BenchOptions& options,

@@ -26,6 +26,7 @@ std::int64_t proc_bytes(const char* path, std::string_view field);
 
 struct Timing {
   double seconds = 0.0;          // median of the timed runs
+  double best_seconds = 0.0;     // the fastest timed run (as the probes report theirs)
   std::int64_t extra_bytes = 0;  // peak resident memory growth
 };
 
