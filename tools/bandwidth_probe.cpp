@@ -48,9 +48,11 @@ float WidenStream(const hwy::float16_t* HWY_RESTRICT data, std::size_t count) {
     for (int k = 0; k < kVecs; ++k) acc[u][k] = hn::Zero(d);
   }
   for (std::size_t i = 0; i < count; i += kVecs * n) {
-    // One prefetch per 64-byte line of the step (past the end: no fault).
-    for (std::size_t line = 0; line < kVecs * n; line += 64 / sizeof(hwy::float16_t)) {
-      hwy::Prefetch(data + i + line + kAhead);
+    // One prefetch per 64-byte line of the step, within the slice.
+    if (i + kAhead < count) {
+      for (std::size_t line = 0; line < kVecs * n; line += 64 / sizeof(hwy::float16_t)) {
+        hwy::Prefetch(data + i + kAhead + line);
+      }
     }
     for (int k = 0; k < kVecs; ++k) {
       const auto v = hn::PromoteTo(d, hn::Load(d16, data + i + k * n));
