@@ -244,14 +244,38 @@ def _prepare(handle: int, function: str, arrays, layout: Optional[str], options:
     return _Call(function, handle, o, layout, bits)
 
 
+def _agree_on_grad(comm, function: str, differentiable: bool) -> None:
+    """Raises ValueError on every rank unless all of them agree on whether
+    the output requires grad: the backward is collective, so every rank runs
+    it or none does. One allreduce, before any other message of the call
+    (a null or inter-communicator is left to the native check, which refuses
+    it on every rank)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    if comm == MPI.COMM_NULL or comm.Is_inter():
+        return
+    count = np.array([int(differentiable)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
+    ranks = comm.Get_size()
+    if 0 < count[0] < ranks:
+        raise ValueError(
+            f"qkv: qkv::dist::{function}: whether the output requires grad (q, k, v or sinks "
+            f"do): expected the same value on every rank (the backward is collective), but it "
+            f"does on {count[0]} of {ranks} ranks (rank {comm.Get_rank()}: "
+            f"{'yes' if differentiable else 'no'})")
+
+
 def _attend(function: str, q, k, v, comm, layout: Optional[str], return_lse: bool,
             options: dict):
     handle = _handle(comm)
-    call = _prepare(handle, function, ((q, "q"), (k, "k"), (v, "v")), layout, options)
     sinks = options.get("sinks")
     sinks = sinks if _arrays.is_torch(sinks) else None
+    differentiable = _differentiable(q, k, v, sinks)
+    _agree_on_grad(comm, function, differentiable)
+    call = _prepare(handle, function, ((q, "q"), (k, "k"), (v, "v")), layout, options)
     try:
-        if _differentiable(q, k, v, sinks):
+        if differentiable:
             out, lse = _autograd_function().apply(call, q, k, v, sinks)
             call.rank = comm.Get_rank()  # for the backward; comm passed the checks
         else:
@@ -308,7 +332,9 @@ def ring_attention(
 
     Returns out, or AttentionResult(out, lse, None) with return_lse; the kind
     of array q is. With torch tensors that require grad, out is
-    differentiable (lse is not): every rank must then run backward through it.
+    differentiable (lse is not): every rank must then run backward through it,
+    and the ranks must agree on it (where they differ, every rank raises
+    ValueError before any other message).
     The sinks' gradient (sinks.grad) is each rank's share of the whole
     problem's (rank 0 holds it, the others zeros), so that summing it over
     the ranks, as data parallelism does for replicated parameters, gives it.

@@ -58,6 +58,7 @@ def test_example_under_mpiexec(ranks):
 BAD_ARGUMENTS = """
     import numpy as np
     import qkv.distributed as d
+    import torch
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -80,6 +81,8 @@ BAD_ARGUMENTS = """
         "type": lambda: d.ulysses_attention([1] if bad else q, k, k, comm),
         "shape": lambda: d.ring_attention(q[:, :6] if bad else q, k, k, comm),
         "option": lambda: d.ring_attention(q, k, k, comm, causal=bad),
+        "grad": lambda: d.ring_attention(torch.ones(q.shape, requires_grad=bad),
+                                         torch.ones(k.shape), torch.ones(k.shape), comm),
     }
     lines = [f"{rank} {name} {' '.join(outcome(call))}" for name, call in cases.items()]
     out = d.ring_attention(q, k, k, comm)  # the ranks still agree
@@ -91,6 +94,7 @@ BAD_ARGUMENTS = """
 
 
 def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
+    pytest.importorskip("torch")
     script = tmp_path / "bad_arguments.py"
     script.write_text(textwrap.dedent(BAD_ARGUMENTS))
     done = mpiexec(2, str(script), timeout=120)
@@ -106,6 +110,10 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
             "ValueError " + prefix + "layout: expected 'contiguous' or 'zigzag', got 'x'")
         assert "options.causal: expected the same value on every rank" in got[rank, "option"]
         assert "q's rows (dim 1): expected the same value on every rank" in got[rank, "shape"]
+        assert got[rank, "grad"] == (
+            "ValueError qkv: qkv::dist::ring_attention: whether the output requires grad (q, k, "
+            "v or sinks do): expected the same value on every rank (the backward is collective), "
+            f"but it does on 1 of 2 ranks (rank {rank}: {'yes' if rank == 1 else 'no'})")
         assert got[rank, "after"] == "(1, 8, 4, 16)"
     # The rank whose argument had the wrong type raises its TypeError; the
     # others its message.
