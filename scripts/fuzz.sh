@@ -7,6 +7,8 @@
 # build/fuzz/artifacts/<target>/ (replay: build/fuzz/tests/fuzz/<target> FILE).
 #
 #   scripts/fuzz.sh SECONDS [TARGET...]     default: every target
+#   scripts/fuzz.sh --list                  prints the targets
+#   scripts/fuzz.sh --build-only [TARGET...] builds them, runs nothing
 #
 # New inputs that reach new code accumulate in build/fuzz/corpus/<target>,
 # so later runs continue where earlier ones stopped; the repository's seeds
@@ -14,15 +16,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
-  echo "usage: scripts/fuzz.sh SECONDS [TARGET...]" >&2
-  exit 2
-fi
-seconds=$1
-shift
 all=(fuzz_attention fuzz_backward fuzz_decode fuzz_linear fuzz_modules fuzz_npy fuzz_safetensors)
 # qkv::dist's target exists when the build finds MPI (scripts/setup.sh installs it).
 if command -v mpiexec >/dev/null; then all+=(fuzz_distributed); fi
+if [ "${1:-}" == --list ]; then
+  printf '%s\n' "${all[@]}"
+  exit 0
+fi
+if [ "${1:-}" == --build-only ]; then
+  seconds=""
+elif [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
+  echo "usage: scripts/fuzz.sh SECONDS|--build-only [TARGET...] or scripts/fuzz.sh --list" >&2
+  exit 2
+else
+  seconds=$1
+fi
+shift
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then targets=("${all[@]}"); fi
 for t in "${targets[@]}"; do
@@ -39,6 +48,7 @@ mkdir -p build
   cmake --preset fuzz >/dev/null
   cmake --build --preset fuzz -j "$(nproc)" --target "${targets[@]}"
 ) 9>build/fuzz.lock
+if [ -z "$seconds" ]; then exit 0; fi
 
 # allocator_may_return_null: an absurd allocation is the library's
 # qkv::Error to raise, not ASan's report. The libFuzzer limits make a leak,
