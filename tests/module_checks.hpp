@@ -13,13 +13,14 @@
 #include "core/elements.hpp"
 #include "qkv/error.hpp"
 #include "qkv/modules/parameter.hpp"
+#include "test_paths.hpp"
 #include "test_util.hpp"
 
 namespace qkv::test {
 
 // Path of a golden file in tests/data/.
 inline std::string test_data(const std::string& name) {
-  return std::string(QKV_TEST_DATA_DIR) + "/" + name;
+  return std::string(kTestDataDir) + "/" + name;
 }
 
 // Elements of t (any strides) in row-major order, as T.

@@ -16,6 +16,7 @@
 #include "qkv/error.hpp"
 #include "qkv/files.hpp"
 #include "qkv/tensor.hpp"
+#include "test_paths.hpp"
 
 namespace qkv {
 namespace {
@@ -250,8 +251,8 @@ TEST_F(Npy, WriteFileReplacesWholeOrNotAtAll) {
 
 // A Python with NumPy: the project's .venv, else python3 (none: skipped).
 std::string python_with_numpy() {
-  const std::vector<std::string> candidates = {std::string(QKV_SOURCE_DIR) + "/.venv/bin/python",
-                                               "python3"};
+  const std::vector<std::string> candidates = {
+      std::string(qkv::test::kSourceDir) + "/.venv/bin/python", "python3"};
   for (const std::string& candidate : candidates) {
     const std::string probe = candidate + " -c 'import numpy' >/dev/null 2>&1";
     if (std::system(probe.c_str()) == 0) return candidate;

@@ -1,4 +1,4 @@
-// `qkv attend` end to end: the binary (QKV_CLI) on .npy files written here,
+// `qkv attend` end to end: the binary (qkv::test::kCli) on .npy files written here,
 // its outputs read back and compared bit for bit with the library's own
 // results for the same options; and its errors: one line, a non-zero exit,
 // no output file created or changed.
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_path.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/npy.hpp"
@@ -68,7 +69,7 @@ class Attend : public ::testing::Test {
   // Runs `qkv attend q.npy k.npy v.npy ARGS` in the test's folder; returns
   // the exit status, with stderr in err_.
   int run(const std::string& args) {
-    const std::string cmd = "cd '" + dir_.string() + "' && '" + QKV_CLI +
+    const std::string cmd = "cd '" + dir_.string() + "' && '" + qkv::test::kCli +
                             "' attend q.npy k.npy v.npy " + args + " 2>stderr.txt >stdout.txt";
     const int status = std::system(cmd.c_str());
     err_ = read_text(dir_ / "stderr.txt");
@@ -180,7 +181,7 @@ TEST_F(Attend, PyTorchLayoutAndBackward) {
   EXPECT_TRUE(same_bits(load_npy(path("dk.npy")), g.dk));
   EXPECT_TRUE(same_bits(load_npy(path("dv.npy")), g.dv));
 
-  const std::string cmd = "cd '" + dir_.string() + "' && '" + QKV_CLI +
+  const std::string cmd = "cd '" + dir_.string() + "' && '" + qkv::test::kCli +
                           "' attend qt.npy kt.npy vt.npy -o outt.npy --layout bhnd --causal "
                           "2>/dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0);

@@ -1,4 +1,4 @@
-// The qkv command itself (QKV_CLI), before any subcommand runs: its errors
+// The qkv command itself (qkv::test::kCli), before any subcommand runs: its errors
 // are one line on stderr and exit status 2.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -9,6 +9,8 @@
 #include <iterator>
 #include <string>
 
+#include "cli_path.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -16,7 +18,8 @@ namespace fs = std::filesystem;
 // Runs `qkv ARGS`; returns the exit status, with stderr in `err`.
 int run_qkv(const std::string& args, std::string& err) {
   const fs::path file = fs::temp_directory_path() / "qkv_cli_test_stderr.txt";
-  const std::string cmd = "'" + std::string(QKV_CLI) + "' " + args + " 2>'" + file.string() + "'";
+  const std::string cmd =
+      std::string("'").append(qkv::test::kCli) + "' " + args + " 2>'" + file.string() + "'";
   const int status = std::system(cmd.c_str());
   std::ifstream in(file);
   err.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());

@@ -1,6 +1,6 @@
 // `qkv demo`'s training (train.hpp) called directly: the accuracy and the
 // learned attention patterns within a reduced step budget, bitwise
-// reproducibility; and the binary (QKV_CLI) end to end: its summary line,
+// reproducibility; and the binary (qkv::test::kCli) end to end: its summary line,
 // the pictures and .npy files it writes, its errors for bad flags.
 #include <gtest/gtest.h>
 #include <stb_image.h>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_path.hpp"
 #include "qkv/npy.hpp"
 #include "train.hpp"
 
@@ -94,7 +95,7 @@ class DemoCli : public ::testing::Test {
 
   // Runs `qkv demo ARGS` in the test's folder; returns the exit status.
   int run(const std::string& args) {
-    const std::string cmd = "cd '" + dir_.string() + "' && '" + QKV_CLI + "' demo " + args +
+    const std::string cmd = "cd '" + dir_.string() + "' && '" + qkv::test::kCli + "' demo " + args +
                             " 2>stderr.txt >stdout.txt";
     const int status = std::system(cmd.c_str());
     err_ = read_text(dir_ / "stderr.txt");

@@ -1,7 +1,7 @@
 // Heatmap pictures: heatmap_png's output decoded (stb_image) and checked
 // pixel by pixel where the layout is known (cell colours, white background,
 // label text), its argument errors; and `qkv viz` end to end: the binary
-// (QKV_CLI) on .npy files written here, its pictures decoded, and its
+// (qkv::test::kCli) on .npy files written here, its pictures decoded, and its
 // errors: one line, exit status 2, no file written.
 #include <gtest/gtest.h>
 #include <stb_image.h>
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_path.hpp"
 #include "picture.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
@@ -265,8 +266,8 @@ class Viz : public ::testing::Test {
   // Runs `qkv viz ARGS` in the test's folder; returns the exit status, with
   // stdout in out_ and stderr in err_.
   int run(const std::string& args) {
-    const std::string cmd =
-        "cd '" + dir_.string() + "' && '" + QKV_CLI + "' viz " + args + " 2>stderr.txt >stdout.txt";
+    const std::string cmd = "cd '" + dir_.string() + "' && '" + qkv::test::kCli + "' viz " + args +
+                            " 2>stderr.txt >stdout.txt";
     const int status = std::system(cmd.c_str());
     err_ = read_text(dir_ / "stderr.txt");
     out_ = read_text(dir_ / "stdout.txt");
