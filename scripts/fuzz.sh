@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of tests/fuzz (the `fuzz` preset: clang,
-# ASan + UBSan) and runs each for SECONDS seconds, starting from its seed
-# corpus tests/fuzz/corpus/<target>. Prints each target's executions; exits
+# Builds the libFuzzer targets of tests/fuzz (in the `asan` preset: clang,
+# ASan + UBSan, the library with libFuzzer's coverage instrumentation) and
+# runs each for SECONDS seconds, starting from its seed corpus
+# tests/fuzz/corpus/<target>. Prints each target's executions; exits
 # non-zero at the first finding (crash, sanitizer report, failed check,
 # leak, out-of-memory or timeout), whose input lands in
-# build/fuzz/artifacts/<target>/ (replay: build/fuzz/tests/fuzz/<target> FILE).
+# build/fuzz/artifacts/<target>/ (replay: build/asan/tests/fuzz/<target> FILE).
 #
-#   scripts/fuzz.sh SECONDS [TARGET...]     default: every target
-#   scripts/fuzz.sh --list                  prints the targets
-#   scripts/fuzz.sh --build-only [TARGET...] builds them, runs nothing
+#   scripts/fuzz.sh SECONDS [TARGET...]       default: every target
+#   scripts/fuzz.sh --no-build SECONDS [TARGET...]  runs what is built
+#   scripts/fuzz.sh --build-only [TARGET...]  builds them, runs nothing
+#   scripts/fuzz.sh --list                    prints the targets
 #
 # New inputs that reach new code accumulate in build/fuzz/corpus/<target>,
 # so later runs continue where earlier ones stopped; the repository's seeds
@@ -23,10 +25,16 @@ if [ "${1:-}" == --list ]; then
   printf '%s\n' "${all[@]}"
   exit 0
 fi
-if [ "${1:-}" == --build-only ]; then
+build=1
+if [ "${1:-}" == --no-build ]; then
+  build=0
+  shift
+fi
+if [ "${1:-}" == --build-only ] && ((build)); then
   seconds=""
 elif [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
-  echo "usage: scripts/fuzz.sh SECONDS|--build-only [TARGET...] or scripts/fuzz.sh --list" >&2
+  echo "usage: scripts/fuzz.sh [--no-build] SECONDS [TARGET...], scripts/fuzz.sh --build-only" \
+    "[TARGET...] or scripts/fuzz.sh --list" >&2
   exit 2
 else
   seconds=$1
@@ -43,11 +51,13 @@ done
 
 # One build at a time when several runs start together (one per core).
 mkdir -p build
-(
-  flock 9
-  cmake --preset fuzz >/dev/null
-  cmake --build --preset fuzz -j "$(nproc)" --target "${targets[@]}"
-) 9>build/fuzz.lock
+if ((build)); then
+  (
+    flock 9
+    cmake --preset asan >/dev/null
+    cmake --build --preset asan -j "$(nproc)" --target "${targets[@]}"
+  ) 9>build/fuzz.lock
+fi
 if [ -z "$seconds" ]; then exit 0; fi
 
 # allocator_may_return_null: an absurd allocation is the library's
@@ -65,7 +75,7 @@ for t in "${targets[@]}"; do
   mkdir -p "$corpus" "$artifacts"
   seeds=tests/fuzz/corpus/$t
   echo "== $t: ${seconds} s"
-  if build/fuzz/tests/fuzz/"$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
+  if build/asan/tests/fuzz/"$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
       -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$artifacts/" \
       "$corpus" "$seeds" >"$log" 2>&1; then
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")

@@ -395,8 +395,13 @@ TEST(LinearAttentionReference, BackwardMatchesFiniteDifferences) {
         const double out_max = normalize ? v_max : kN * b.features * b.p * b.p * v_max;
         const double rounding = 2 * kReach * 50 * u * out_max;
 
-        for (auto [name, param, grad] :
+        // Plain variables, not a structured binding: the lambdas below capture
+        // them, which clang before 16 does not allow for bindings.
+        for (const auto& input :
              {std::tuple{"q", &x.q, &grads.dq}, {"k", &x.k, &grads.dk}, {"v", &x.v, &grads.dv}}) {
+          const char* const name = std::get<0>(input);
+          Tensor* const param = std::get<1>(input);
+          const auto* const grad = std::get<2>(input);
           const double l3 = param == &x.v ? 0.0 : kReach * third;
           const double h = l3 > 0 ? std::cbrt(3 * rounding / l3) : 1e-3;
           const double tolerance = h * h / 6 * l3 + rounding / (2 * h);
