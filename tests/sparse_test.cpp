@@ -17,6 +17,7 @@
 #include "attention_checks.hpp"
 #include "qkv/decode.hpp"
 #include "qkv/sparse.hpp"
+#include "sweep_sample.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -31,6 +32,7 @@ using qkv::detail::PatternTile;
 using qkv::test::expect_backward_matches;
 using qkv::test::expect_matches_reference;
 using qkv::test::make_inputs;
+using qkv::test::SweepSample;
 
 std::int64_t floor_div(std::int64_t x, std::int64_t m) {
   return x >= 0 ? x / m : -((-x + m - 1) / m);
@@ -203,7 +205,12 @@ TEST_P(SparseSweep, ForwardMatchesReference) {
     std::int64_t nq, nk, hq, hkv, d;
   };
   // Tiles of 96 rows and 256 keys: sizes across their boundaries.
-  for (const Case c : {Case{97, 97, 2, 1, 64}, Case{300, 300, 2, 2, 59}, Case{77, 600, 4, 2, 32}}) {
+  const Case shapes[] = {{97, 97, 2, 1, 64}, {300, 300, 2, 2, 59}, {77, 600, 4, 2, 32}};
+  const std::size_t kPatterns = 8;
+  const SweepSample sample(std::size(shapes) * kPatterns * 2);
+  SCOPED_TRACE(sample.note());
+  std::size_t index = 0;
+  for (const Case c : shapes) {
     const auto in = make_inputs(1, c.nq, c.nk, c.hq, c.hkv, c.d, c.d, dtype, 7);
     const BlockLayout layout = qkv::bigbird_layout({.heads = c.hq,
                                                     .nq = c.nq,
@@ -223,8 +230,10 @@ TEST_P(SparseSweep, ForwardMatchesReference) {
         SparsePattern::block_sparse(layout) & SparsePattern::window(-1, 0),
         SparsePattern::prefix_lm(c.nk / 3),
     };
+    ASSERT_EQ(patterns.size(), kPatterns);
     for (const SparsePattern& pattern : patterns) {
       for (const bool causal : {false, true}) {
+        if (!sample.runs(index++)) continue;
         AttentionOptions opt;
         opt.causal = causal;
         opt.sparse = pattern;
