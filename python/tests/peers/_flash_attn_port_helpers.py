@@ -37,6 +37,8 @@ import torch.nn.functional as F
 #      the cheapest combination with that value (the largest key among equally cheap ones);
 #   4. fill up with the largest keys to the grid's sample count, within a cost budget of
 #      FILL_COST per case (a case costing more than FILL_MAX_COST is left to the coverage).
+# A case costing SLOW_COST or more is marked `slow`: about a third of a second or more on a
+# 2-core machine, left out by scripts/test.sh --quick (not by the full run).
 # The draw depends only on the grid, the test name and QKV_PEER_SEED.
 #
 # Environment:
@@ -55,6 +57,7 @@ REPEATS = int(os.environ["QKV_PEER_REPEATS"]) if os.environ.get("QKV_PEER_REPEAT
 COST_EXPONENT = 1.0
 FILL_COST = 4e8  # the fill's budget per drawn case, in the tests' cost units (~0.2 ns)
 FILL_MAX_COST = 2e9
+SLOW_COST = 1e8  # cases from this cost on carry the `slow` marker (scripts/test.sh --quick skips them)
 
 
 def repeats(original: int, default: int = 3) -> int:
@@ -162,7 +165,9 @@ def sample_grid(
     for idx in picked:
         params = params_of(idx)
         ident = "-".join(_id_part(k, v) for k, v in params.items())
-        result.append(pytest.param(*params.values(), id=ident))
+        slow = cost_fn is not None and cost_fn(idx) >= SLOW_COST
+        result.append(pytest.param(*params.values(), id=ident,
+                                   marks=[pytest.mark.slow] if slow else []))
     return result
 
 
@@ -176,28 +181,30 @@ def argnames(axes: Dict[str, Sequence]) -> str:
 # The original's "PyTorch implementation in the low precision" (attention_ref with
 # upcast=False) runs float16 / bfloat16 einsums on CUDA, where a half-precision matmul
 # accumulates in float32 and rounds its result once to the low precision. PyTorch's CPU
-# matmuls do the same; its bfloat16 kernel is fast, but its float16 kernel runs at about
-# 1 GFLOP/s (a 2048-token reference would take minutes). The port therefore runs the native
-# low-precision einsum (bfloat16 always, float16 up to NATIVE_FP16_MACS multiply-adds) and
-# above that computes a float16 einsum as a float32 einsum of the float16 operands rounded
-# once to float16: the same rounding points, forward and backward (autograd rounds each
-# gradient once through the casts), with float32 sums in another order. The native kernel is
-# kept where affordable because its summation order differs from the float32 reference's,
-# as CUDA's does: in degenerate cases (a single key: P = 1 exactly) the emulation would
-# reproduce the float32 reference bit for bit and make the yardstick error 0. Elementwise
-# ops (scaling, softcap, softmax) are always native low-precision PyTorch ops.
+# matmuls do the same, but at very different speeds by CPU: its float16 kernel runs at about
+# 1 GFLOP/s everywhere, its bfloat16 kernel is fast with AVX512-BF16 or AMX and about
+# 2 GFLOP/s without (on an AVX2-only EPYC a 2048-token reference took 21 s of a 44 s test).
+# The port therefore runs the native low-precision einsum up to NATIVE_LOW_PRECISION_MACS
+# multiply-adds and above that computes it as a float32 einsum of the low-precision operands
+# rounded once to the low precision: the same rounding points, forward and backward
+# (autograd rounds each gradient once through the casts), with float32 sums in another
+# order, on every CPU alike. The native kernel is kept where affordable because its
+# summation order differs from the float32 reference's, as CUDA's does: in degenerate cases
+# (a single key: P = 1 exactly) the emulation would reproduce the float32 reference bit for
+# bit and make the yardstick error 0. Elementwise ops (scaling, softcap, softmax) are always
+# native low-precision PyTorch ops.
 
-NATIVE_FP16_MACS = 2e6
+NATIVE_LOW_PRECISION_MACS = 2e6
 
 
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(a.dtype, b.dtype)
-    if dtype == torch.float16:
+    if dtype in (torch.float16, torch.bfloat16):
         inputs, _ = equation.split("->")
         sizes = {}
         for letters, x in zip(inputs.split(","), (a, b)):
             sizes.update(zip(letters, x.shape))
-        if math.prod(sizes.values()) > NATIVE_FP16_MACS:
+        if math.prod(sizes.values()) > NATIVE_LOW_PRECISION_MACS:
             return torch.einsum(equation, a.float(), b.float()).to(dtype)
     return torch.einsum(equation, a, b)
 
