@@ -34,6 +34,7 @@ def torchrun(ranks: int, *args: str, timeout: float = 300) -> subprocess.Complet
     return launch.run(command, env, timeout, ROOT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_example_under_torchrun(ranks):
     done = torchrun(ranks, "examples/context_parallel.py")
@@ -88,6 +89,7 @@ BAD_ON_ONE_RANK = """
 """
 
 
+@pytest.mark.slow
 def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text(textwrap.dedent(BAD_ON_ONE_RANK))

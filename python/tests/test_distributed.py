@@ -41,6 +41,7 @@ def mpiexec(ranks: int, *args: str, timeout: float = 300) -> subprocess.Complete
     return launch.run(command, env, timeout, ROOT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_example_under_mpiexec(ranks):
     done = mpiexec(ranks, "examples/ring_attention.py")
@@ -93,6 +94,7 @@ BAD_ARGUMENTS = """
 """
 
 
+@pytest.mark.slow
 def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "bad_arguments.py"
@@ -195,6 +197,7 @@ EVERY_OPTION = """
 """
 
 
+@pytest.mark.slow
 def test_float64_every_option_on_two_ranks(tmp_path):
     """float64 (the reference backend on every piece) with each supported
     option, the forward and the explicit backward functions on NumPy
@@ -208,6 +211,7 @@ def test_float64_every_option_on_two_ranks(tmp_path):
     assert all(float(w) < 1e-12 for w in words[1:]), done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing, says", [
     ("import qkv._qkv as native; del native.ring_attention",
      "this qkv was built without MPI"),

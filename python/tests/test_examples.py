@@ -13,6 +13,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Each runs a program in a fresh interpreter: seconds to minutes.
+pytestmark = pytest.mark.slow
 
 
 def run(script: str, *args: str) -> str:

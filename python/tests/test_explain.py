@@ -221,6 +221,7 @@ def _check_picture(png, svg, size, labels):
     assert "attention is not attribution" in text
 
 
+@pytest.mark.slow
 def test_pictures_decode_with_labels(tmp_path):
     tokens_a, tokens_b = ["[CLS]", "a", "guitar", "[SEP]"], ["[CLS]", "music", "[SEP]"]
     torch.manual_seed(0)
@@ -258,6 +259,7 @@ def _cli(*args):
                           text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_writes_pictures(tmp_path):
     r = _cli(A, B, "--out", str(tmp_path), "--steps", "8", "--max-steps", "64",
              "--no-progress")
@@ -276,6 +278,7 @@ def test_cli_writes_pictures(tmp_path):
     assert "Spearman" in r.stderr and "relative error" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_unknown_method_exits_with_one_line(tmp_path):
     r = _cli(A, B, "--out", str(tmp_path), "--method", "heatmap")
     assert r.returncode == 2

