@@ -1,11 +1,17 @@
 # Stage timing for scripts/test.sh (sourced, not run).
 #
-#   stage NAME COMMAND...   runs COMMAND as stage NAME: its output goes to the
-#                           terminal and to build/test-logs/<NAME>.log
+#   stage NAME COMMAND...     runs COMMAND as stage NAME: its output goes to
+#                             the terminal and to build/test-logs/<NAME>.log
+#   stage_bg NAME COMMAND...  starts it in the background instead, its output
+#                             to the log only
+#   stage_wait                waits for the background stages, records them,
+#                             prints the log of each that failed, and fails
+#                             if one did
 #
 # When the script exits, passed or failed, a table of every stage's seconds,
 # status and test count is printed, and written as JSON to $stages_json when
-# that is set. A stage under way when the script exits is recorded as failed.
+# that is set. A stage under way when the script exits is recorded as failed
+# (a background one is stopped first).
 
 stage_names=()
 stage_seconds=()
@@ -13,6 +19,8 @@ stage_status=()
 stage_counts=()
 stage_current=""
 stage_start=0
+stage_bg_names=()
+stage_bg_pids=()
 stages_json=""
 stages_begin=$(date +%s.%N)
 stages_log_dir=build/test-logs
@@ -56,6 +64,53 @@ stage() {
   stage_record passed
 }
 
+stage_bg() {
+  local name=$1
+  shift
+  mkdir -p "$stages_log_dir"
+  echo "== $name (in the background)"
+  local log
+  log=$(stage_log "$name")
+  (
+    begin=$(date +%s.%N)
+    status=passed
+    "$@" >"$log" 2>&1 || status=failed
+    echo "$begin $(date +%s.%N) $status" >"$log.status"
+  ) &
+  stage_bg_names+=("$name")
+  stage_bg_pids+=($!)
+}
+
+stage_wait() {
+  local i name log begin end status failed=0
+  for i in "${!stage_bg_names[@]}"; do
+    name=${stage_bg_names[$i]}
+    log=$(stage_log "$name")
+    wait "${stage_bg_pids[$i]}" || true
+    { read -r begin end status <"$log.status"; } 2>/dev/null || { begin=0 end=0 status=failed; }
+    rm -f "$log.status"
+    stage_names+=("$name")
+    stage_seconds+=("$(awk -v a="$begin" -v b="$end" 'BEGIN { printf "%.1f", b - a }')")
+    stage_status+=("$status")
+    stage_counts+=("$(stage_count "$log")")
+    echo "== $name: $status (${stage_seconds[-1]} s)"
+    if [ "$status" != passed ]; then
+      failed=1
+      echo "-- the end of $log:"
+      tail -n 40 "$log"
+    fi
+  done
+  stage_bg_names=()
+  stage_bg_pids=()
+  return "$failed"
+}
+
+stages_kill_tree() { # stops process $1 and its descendants
+  local child
+  for child in $(pgrep -P "$1"); do stages_kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+
 stages_machine() { # one line: CPU model, cores, the vector flags
   local model flags
   model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
@@ -68,6 +123,10 @@ stages_machine() { # one line: CPU model, cores, the vector flags
 stages_report() {
   local rc=$?
   if [ -n "$stage_current" ]; then stage_record failed; fi
+  if ((${#stage_bg_pids[@]})); then
+    for i in "${stage_bg_pids[@]}"; do stages_kill_tree "$i"; done
+    stage_wait >/dev/null || true
+  fi
   local total result machine i
   total=$(awk -v a="$stages_begin" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   result=passed
