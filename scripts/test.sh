@@ -74,7 +74,7 @@ stage "python: build" .venv/bin/python -m pip install -q --disable-pip-version-c
 # at their default (one thread per core in every worker), the run was twice as
 # slow as a single worker.
 stage "python: test" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n "$jobs" \
-  --dist worksteal "${slow_pytest[@]}" python/tests
+  --dist worksteal --durations=20 "${slow_pytest[@]}" python/tests
 if ((quick)); then exit 0; fi
 
 stage "asan: configure" cmake --preset asan
