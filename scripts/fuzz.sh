@@ -65,7 +65,8 @@ if [ -z "$seconds" ]; then exit 0; fi
 # a run over 60 s or 4 GiB of memory a finding.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-allocator_may_return_null=1:detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-# OpenMPI keeps what MPI_Init allocates until the process ends: not qkv's leaks.
+# OpenMPI keeps what MPI_Init allocates until the process ends: not qkv's leaks
+# (fuzz_distributed keeps its plugins loaded for this: tests/fuzz/keep_plugins.cpp).
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/fuzz/lsan_mpi.supp}
 status=0
 for t in "${targets[@]}"; do
