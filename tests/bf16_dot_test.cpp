@@ -225,7 +225,7 @@ TEST(Bf16Dot, OtherPathsAreTheHighestPrecisionDecode) {
     same(shape, storage);
   }
   same({1, 4, 2, 40, 24, 99, 1, 0}, KvStorage::bf16);  // not multiples of 32
-  qkv::detail::set_isa_limit_for_test(qkv::detail::Isa::avx512);
+  qkv::detail::set_isa_limit_for_test(qkv::detail::Isa::f32);
   EXPECT_FALSE(qkv::detail::has_bf16_dot());
   same(shape, KvStorage::bf16);
   qkv::detail::set_isa_limit_for_test(std::nullopt);

@@ -269,6 +269,9 @@ struct Row {
   double best_bytes_per_second = 0.0;   // decode: the same in the fastest run
   double peak_gflops = 0.0;             // the FMA peak the row is read against (ProbeBracket)
   double probe_bytes_per_second = 0.0;  // decode: the read bandwidth likewise
+  // The instruction family of the products: qkv's kernels say which they
+  // took ("f32", "avx512_bf16", "amx_bf16"); the baseline's are f32 sgemm.
+  const char* isa = "f32";
 };
 
 // The probes at the start of a run; `bandwidth` is probed only when a decode
@@ -288,14 +291,14 @@ std::string json_line(const Row& r, int threads, const char* target) {
       "\"B\":%lld,\"Hq\":%lld,\"Hkv\":%lld,\"Nq\":%lld,\"Nk\":%lld,\"D\":%lld,"
       "\"causal\":%s,\"window\":[%lld,%lld],\"threads\":%d,\"seconds\":%.6g,"
       "\"gflops\":%.6g,\"peak_gflops\":%.6g,\"fraction_of_peak\":%.4g,"
-      "\"extra_bytes\":%lld,\"target\":\"%s\"",
+      "\"extra_bytes\":%lld,\"target\":\"%s\",\"isa\":\"%s\"",
       static_cast<int>(suite.size()), suite.data(), c.name.c_str(), static_cast<int>(r.impl.size()),
       r.impl.data(), static_cast<int>(dtype_name(c.dtype).size()), dtype_name(c.dtype).data(),
       static_cast<long long>(c.b), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
       static_cast<long long>(c.nq), static_cast<long long>(c.nk), static_cast<long long>(c.d),
       c.causal ? "true" : "false", static_cast<long long>(c.window_left),
       static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops, r.peak_gflops,
-      r.gflops / r.peak_gflops, static_cast<long long>(r.timing.extra_bytes), target);
+      r.gflops / r.peak_gflops, static_cast<long long>(r.timing.extra_bytes), target, r.isa);
   std::string line = text;
   if (c.pass == Pass::decode) {
     const double bandwidth = r.probe_bytes_per_second;
@@ -675,6 +678,7 @@ int run_bench(std::ostream& out, std::ostream& progress, const BenchOptions& opt
                << std::flush;
       const Timing timing = measure(impl.run, options.repeats);
       Row row{&c, impl.name, timing, p.flops / timing.seconds / 1e9};
+      if (impl.name == "qkv") row.isa = internal::last_products_isa();
       if (c.pass == Pass::decode) {
         // Decoding reads memory: probe the bandwidth again; the peak stands.
         row.bytes_per_second = static_cast<double>(cache_bytes(c)) / timing.seconds;

@@ -11,6 +11,7 @@
 #include "attend.hpp"
 #include "bench.hpp"
 #include "demo.hpp"
+#include "info.hpp"
 #include "qkv/error.hpp"
 #include "viz.hpp"
 
@@ -168,6 +169,20 @@ int main(int argc, char** argv) {
                      "Write dLoss/dsinks [Hq] (with --backward and --sinks)");
   attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
 
+  CLI::App* info =
+      app.add_subcommand("info", "What this CPU can run: instruction families, probes");
+  info->footer(
+      "Lists the instruction families of products beyond the f32 FMA\n"
+      "(avx512_vnni, avx512_bf16, amx_int8, amx_bf16): whether the CPU lists\n"
+      "them, whether the OS enabled them for this process (XCR0; AMX's\n"
+      "permission from Linux) and QKV_ISA allows them, with each one's register\n"
+      "probe beside the f32 FMA's, and the engine the kernels chose for bf16\n"
+      "products.");
+  qkv::tools::InfoOptions info_options;
+  info->add_flag("--json", info_options.json, "One JSON object instead of the table");
+  bool no_probe = false;
+  info->add_flag("--no-probe", no_probe, "Skip the register probes");
+
   CLI::App* viz = app.add_subcommand("viz", "Draw attention probabilities (.npy) as a PNG");
   viz->footer(
       "Reads probabilities (.npy: [Nq, Nk], [H, Nq, Nk] or [B, H, Nq, Nk],\n"
@@ -216,6 +231,10 @@ int main(int argc, char** argv) {
   try {
     if (attend->parsed()) return qkv::tools::run_attend(attend_options, std::cout, std::cerr);
     if (viz->parsed()) return qkv::tools::run_viz(viz_options, std::cout, std::cerr);
+    if (info->parsed()) {
+      info_options.probe = !no_probe;
+      return qkv::tools::run_info(std::cout, info_options);
+    }
     if (demo->parsed()) {
       demo_options.train = !no_train;
       demo_options.live = isatty(STDOUT_FILENO) == 1;

@@ -5,6 +5,7 @@
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
+#include "core/isa.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
@@ -43,6 +44,7 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   const detail::TileMods mods = detail::function_tile_mods(functions);
   const cpu::FlashPlan plan = cpu::make_plan(p, cpu::lower(o, p.scale), mods, q, k, v, {}, {}, {},
                                              cpu::flash_backward_config());
+  detail::note_products_isa("f32");
   return cpu::flash_backward(plan, {out, dout, lse, grads});
 }
 

@@ -653,6 +653,7 @@ inline void DecodeImpl(DecodePlan& plan) {
     }
     dot.values = values_storage == KvStorage::bf16 && plan.dv % kBf16Chunk == 0;
   }
+  detail::note_products_isa(dot.q16 != nullptr || dot.values ? "avx512_bf16" : "f32");
   // Threads only when the step is worth waking them: a short cache decodes
   // in microseconds, less than a parallel region's start and barrier.
   std::int64_t work = 0;

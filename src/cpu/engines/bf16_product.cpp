@@ -1,0 +1,272 @@
+// The bf16 tile product on each engine (bf16_product.hpp): the portable
+// emulations, the reference that the instructions are tested against, and
+// the instructions themselves in functions of their own target attribute
+// (Highway 1.0.3 has neither), compiled on every x86-64 build and called
+// only where core/isa.hpp allows the family.
+#include "cpu/engines/bf16_product.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/isa.hpp"
+#include "cpu/engines/amx_tiles.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QKV_ENGINES_X86 1
+#include <immintrin.h>
+#else
+#define QKV_ENGINES_X86 0
+#endif
+
+namespace qkv::cpu::engines {
+namespace {
+
+// A bf16 value as f32, subnormals read as zero (DAZ).
+float widen_daz(std::uint16_t bits) {
+  if ((bits & 0x7F80U) == 0) bits &= 0x8000U;
+  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+// acc + a b with one rounding (the product is exact), subnormal results
+// flushed to a zero of their sign (FTZ).
+float fma_ftz(float a, float b, float acc) {
+  const float r = std::fma(a, b, acc);
+  return std::fpclassify(r) == FP_SUBNORMAL ? std::copysign(0.0f, r) : r;
+}
+
+// The product through one pair step (dpbf16_pair or tdpbf16_pair), element
+// by element in order of x: what each instruction computes, whatever its
+// blocking.
+template <float (*kPair)(float, std::uint16_t, std::uint16_t, std::uint16_t, std::uint16_t)>
+void emulate(const Bf16Product& p) {
+  for (std::int64_t i = 0; i < p.m; ++i) {
+    const std::uint16_t* a = p.a + i * p.lda;
+    for (std::int64_t j = 0; j < p.n; ++j) {
+      float acc = p.accumulate ? p.c[i * p.ldc + j] : 0.0f;
+      for (std::int64_t x = 0; x < p.k; x += 2) {
+        const std::uint16_t* b = p.b + (x / 2) * 2 * p.ldb + 2 * j;
+        acc = kPair(acc, a[x], a[x + 1], b[0], b[1]);
+      }
+      p.c[i * p.ldc + j] = acc;
+    }
+  }
+}
+
+#if QKV_ENGINES_X86
+#define QKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define QKV_AMX_BF16 __attribute__((target("amx-tile,amx-bf16")))
+
+// C rows [i0, i0 + R) and vectors [j0, j0 + 16 kVecs) of the product:
+// kVecs x R accumulators, A's pair broadcast against kVecs vectors of B.
+template <int R, int kVecs>
+QKV_AVX512_BF16 void avx512_micro(const Bf16Product& p, std::int64_t i0, std::int64_t j0) {
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = p.accumulate ? _mm512_loadu_ps(p.c + (i0 + r) * p.ldc + j0 + 16 * v)
+                               : _mm512_setzero_ps();
+    }
+  }
+  for (std::int64_t x = 0; x < p.k; x += 2) {
+    const std::uint16_t* b = p.b + (x / 2) * 2 * p.ldb + 2 * j0;
+    __m512i bv[kVecs];
+    for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_loadu_si512(b + 32 * v);
+    for (int r = 0; r < R; ++r) {
+      std::uint32_t pair;
+      std::memcpy(&pair, p.a + (i0 + r) * p.lda + x, sizeof pair);
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < kVecs; ++v) {
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)bv[v], (__m512bh)av);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v) {
+      _mm512_storeu_ps(p.c + (i0 + r) * p.ldc + j0 + 16 * v, acc[r][v]);
+    }
+  }
+}
+
+// Strips of up to 8 rows by 32 columns: 16 accumulators, 2 B vectors and a
+// broadcast of AVX-512's 32 registers.
+template <int kVecs>
+QKV_AVX512_BF16 void avx512_strip(const Bf16Product& p, std::int64_t i0, std::int64_t j0) {
+  switch (std::min<std::int64_t>(p.m - i0, 8)) {
+    case 1:
+      return avx512_micro<1, kVecs>(p, i0, j0);
+    case 2:
+      return avx512_micro<2, kVecs>(p, i0, j0);
+    case 3:
+      return avx512_micro<3, kVecs>(p, i0, j0);
+    case 4:
+      return avx512_micro<4, kVecs>(p, i0, j0);
+    case 5:
+      return avx512_micro<5, kVecs>(p, i0, j0);
+    case 6:
+      return avx512_micro<6, kVecs>(p, i0, j0);
+    case 7:
+      return avx512_micro<7, kVecs>(p, i0, j0);
+    default:
+      return avx512_micro<8, kVecs>(p, i0, j0);
+  }
+}
+
+QKV_AVX512_BF16 void product_avx512_bf16(const Bf16Product& p) {
+  for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
+    for (std::int64_t i0 = 0; i0 < p.m; i0 += 8) {
+      if (j0 + 32 <= p.n) {
+        avx512_strip<2>(p, i0, j0);
+      } else {
+        avx512_strip<1>(p, i0, j0);
+      }
+    }
+  }
+}
+
+// Tiles: C in tmm0 and tmm1 (16 x 16 f32 each, two column blocks), A in
+// tmm2 (16 rows x 32 bf16), B in tmm3 and tmm4 (16 pairs x 16 columns).
+// Full tiles load in place; a block of fewer than 16 rows or a depth chunk
+// of fewer than 32 goes through zero-padded staging buffers.
+QKV_AMX_BF16 void product_amx_bf16(const Bf16Product& p) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c_stage[2][16][16];
+  alignas(64) std::uint16_t a_stage[16][32];
+  alignas(64) std::uint16_t b_stage[2][16][32];
+  const std::int64_t b_pair_row = 2 * p.ldb;  // bf16 values from one pair row to the next
+  for (std::int64_t i0 = 0; i0 < p.m; i0 += 16) {
+    const std::int64_t rows = std::min<std::int64_t>(16, p.m - i0);
+    for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
+      const int tiles = j0 + 32 <= p.n ? 2 : 1;
+      float* c = p.c + i0 * p.ldc + j0;
+      if (!p.accumulate) {
+        _tile_zero(0);
+        _tile_zero(1);
+      } else if (rows == 16) {
+        _tile_loadd(0, c, p.ldc * 4);
+        if (tiles == 2) _tile_loadd(1, c + 16, p.ldc * 4);
+      } else {
+        std::memset(c_stage, 0, sizeof c_stage);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (int t = 0; t < tiles; ++t) std::memcpy(c_stage[t][r], c + r * p.ldc + 16 * t, 64);
+        }
+        _tile_loadd(0, c_stage[0], 64);
+        _tile_loadd(1, c_stage[1], 64);
+      }
+      for (std::int64_t x0 = 0; x0 < p.k; x0 += 32) {
+        const std::int64_t depth = std::min<std::int64_t>(32, p.k - x0);
+        const std::uint16_t* a = p.a + i0 * p.lda + x0;
+        const std::uint16_t* b = p.b + (x0 / 2) * b_pair_row + 2 * j0;
+        if (rows == 16 && depth == 32) {
+          _tile_loadd(2, a, p.lda * 2);
+        } else {
+          std::memset(a_stage, 0, sizeof a_stage);
+          for (std::int64_t r = 0; r < rows; ++r) {
+            std::memcpy(a_stage[r], a + r * p.lda, static_cast<std::size_t>(depth) * 2);
+          }
+          _tile_loadd(2, a_stage, 64);
+        }
+        if (depth == 32) {
+          _tile_loadd(3, b, b_pair_row * 2);
+          if (tiles == 2) _tile_loadd(4, b + 32, b_pair_row * 2);
+        } else {
+          std::memset(b_stage, 0, sizeof b_stage);
+          for (std::int64_t q = 0; q < depth / 2; ++q) {
+            for (int t = 0; t < tiles; ++t) {
+              std::memcpy(b_stage[t][q], b + q * b_pair_row + 32 * t, 64);
+            }
+          }
+          _tile_loadd(3, b_stage[0], 64);
+          _tile_loadd(4, b_stage[1], 64);
+        }
+        _tile_dpbf16ps(0, 2, 3);
+        if (tiles == 2) _tile_dpbf16ps(1, 2, 4);
+      }
+      if (rows == 16) {
+        _tile_stored(0, c, p.ldc * 4);
+        if (tiles == 2) _tile_stored(1, c + 16, p.ldc * 4);
+      } else {
+        _tile_stored(0, c_stage[0], 64);
+        _tile_stored(1, c_stage[1], 64);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (int t = 0; t < tiles; ++t) std::memcpy(c + r * p.ldc + 16 * t, c_stage[t][r], 64);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#undef QKV_AVX512_BF16
+#undef QKV_AMX_BF16
+#endif
+
+}  // namespace
+
+float dpbf16_pair(float acc, std::uint16_t a0, std::uint16_t a1, std::uint16_t b0,
+                  std::uint16_t b1) {
+  acc = fma_ftz(widen_daz(a1), widen_daz(b1), acc);
+  return fma_ftz(widen_daz(a0), widen_daz(b0), acc);
+}
+
+float tdpbf16_pair(float acc, std::uint16_t a0, std::uint16_t a1, std::uint16_t b0,
+                   std::uint16_t b1) {
+  acc = fma_ftz(widen_daz(a0), widen_daz(b0), acc);
+  return fma_ftz(widen_daz(a1), widen_daz(b1), acc);
+}
+
+const char* engine_name(Bf16Engine e) {
+  switch (e) {
+    case Bf16Engine::avx512_bf16:
+      return "avx512_bf16";
+    case Bf16Engine::amx_bf16:
+      return "amx_bf16";
+    case Bf16Engine::emulate_avx512_bf16:
+      return "emulated avx512_bf16";
+    case Bf16Engine::emulate_amx_bf16:
+      return "emulated amx_bf16";
+  }
+  return "?";
+}
+
+bool engine_available(Bf16Engine e) {
+  switch (e) {
+    case Bf16Engine::avx512_bf16:
+      return QKV_ENGINES_X86 && detail::family_allowed(detail::Family::avx512_bf16);
+    case Bf16Engine::amx_bf16:
+      return QKV_ENGINES_X86 && detail::family_allowed(detail::Family::amx_bf16);
+    case Bf16Engine::emulate_avx512_bf16:
+    case Bf16Engine::emulate_amx_bf16:
+      return true;
+  }
+  return false;
+}
+
+void bf16_product(Bf16Engine e, const Bf16Product& p) {
+  switch (e) {
+#if QKV_ENGINES_X86
+    case Bf16Engine::avx512_bf16:
+      return product_avx512_bf16(p);
+    case Bf16Engine::amx_bf16:
+      return product_amx_bf16(p);
+#else
+    case Bf16Engine::avx512_bf16:
+    case Bf16Engine::amx_bf16:
+      return;
+#endif
+    case Bf16Engine::emulate_avx512_bf16:
+      return emulate<dpbf16_pair>(p);
+    case Bf16Engine::emulate_amx_bf16:
+      return emulate<tdpbf16_pair>(p);
+  }
+}
+
+}  // namespace qkv::cpu::engines

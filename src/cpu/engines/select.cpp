@@ -1,0 +1,77 @@
+#include "cpu/engines/select.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+
+#include "core/isa.hpp"
+#include "cpu/engines/probe.hpp"
+
+namespace qkv::cpu::engines {
+namespace {
+
+// VDPBF16PS is taken only at this many times the 512-bit FMA's flops.
+constexpr double kMinBf16DotGain = 1.5;
+// Seconds each probe of the one-time check runs.
+constexpr double kProbeSeconds = 0.004;
+
+struct Choice {
+  std::optional<Bf16Engine> engine;
+  std::string reason;
+};
+
+// The choice for one QKV_ISA level (families allowed at it).
+Choice choose() {
+  using detail::Family;
+  if (detail::family_allowed(Family::amx_bf16)) {
+    return {Bf16Engine::amx_bf16, "AMX-BF16 usable"};
+  }
+  if (!detail::family_allowed(Family::avx512_bf16)) {
+    return {std::nullopt, "no usable bf16 dot-product family: f32 FMAs"};
+  }
+  if (detail::cpu_vendor() != "AuthenticAMD") {
+    return {std::nullopt, "AVX512-BF16 without AMX on " + detail::cpu_vendor() +
+                              ": VDPBF16PS runs at half the f32 FMA rate there, f32 FMAs"};
+  }
+  const double fma = probe_avx512_fma_gflops(kProbeSeconds);
+  const double dot = probe_family_gops(Family::avx512_bf16, kProbeSeconds);
+  char text[160];
+  std::snprintf(text, sizeof text, "AVX512-BF16 probe %.1f GFLOP/s against the FMA's %.1f (%.2fx)",
+                dot, fma, fma > 0 ? dot / fma : 0.0);
+  if (dot >= kMinBf16DotGain * fma) return {Bf16Engine::avx512_bf16, text};
+  return {std::nullopt, std::string(text) + ": below 1.5x, f32 FMAs"};
+}
+
+// One choice per QKV_ISA level, made on first use (the probe runs once).
+const Choice& choice_for(detail::Isa level) {
+  static std::mutex mutex;
+  static std::optional<Choice> choices[4];
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& c = choices[static_cast<int>(level)];
+  if (!c) c = choose();
+  return *c;
+}
+
+std::atomic<int> forced{-2};  // -2: none; -1: forced f32; else a Bf16Engine
+
+}  // namespace
+
+std::optional<Bf16Engine> bf16_engine() {
+  const int f = forced.load(std::memory_order_relaxed);
+  if (f == -1) return std::nullopt;
+  if (f >= 0) return static_cast<Bf16Engine>(f);
+  return choice_for(detail::isa_limit()).engine;
+}
+
+std::string bf16_engine_reason() {
+  if (forced.load(std::memory_order_relaxed) != -2) return "set by a test";
+  return choice_for(detail::isa_limit()).reason;
+}
+
+void set_bf16_engine_for_test(std::optional<Bf16Engine> engine) {
+  forced.store(engine ? static_cast<int>(*engine) : -1, std::memory_order_relaxed);
+}
+
+void reset_bf16_engine_for_test() { forced.store(-2, std::memory_order_relaxed); }
+
+}  // namespace qkv::cpu::engines
