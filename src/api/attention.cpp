@@ -3,6 +3,7 @@
 
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
+#include "core/isa.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -48,6 +49,8 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
   cpu::FlashPlan plan = cpu::make_plan(problem, cpu::lower(options, problem.scale),
                                        mods != nullptr ? *mods : function_mods, q, k, v,
                                        outputs.out, lse, outputs.probs);
+  plan.engine = cpu::forward_engine(plan.params, q, k, v);
+  detail::note_products_isa(plan.engine ? cpu::engines::engine_name(*plan.engine) : "f32");
   if (outputs.probs.defined()) {
     row_max = Tensor(DType::f32, stat_sizes);
     row_scale = Tensor(DType::f32, stat_sizes);

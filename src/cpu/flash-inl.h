@@ -23,6 +23,7 @@
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
+#include "cpu/flash_engine-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
@@ -38,8 +39,6 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // Rows fetched ahead when packing rows of a [B, N, H, D] tensor.
 constexpr std::int64_t kRowsAhead = 8;
-// Per-thread budget for a task's packed keys and values (PackedKeys).
-constexpr std::int64_t kPackedKeysBytes = std::int64_t{16} << 20;
 
 // Sizes of one thread's scratch, derived from the plan.
 struct TileShape {
@@ -48,6 +47,7 @@ struct TileShape {
   std::int64_t dk = 0;        // max(Dq, Dk)
   std::int64_t dv_pad = 0;    // Dv rounded up to the panel width
   std::int64_t a_pad = 0;     // additive attention size rounded up to the vector
+  bool engine = false;        // the products run on a bf16 engine (EngineOf)
 };
 
 // Keys [begin, begin + n) of a task's KV head as f32: packed, K rows
@@ -64,6 +64,12 @@ struct PackedKeys {
   std::int64_t k_ld = 0;   // floats from one K row to the next
   std::int64_t v_row = 0;  // floats from one V row to the next within a panel
   std::int64_t v_panel_stride = 0;
+  // On a bf16 engine instead (flash_engine-inl.h): K rows [n][dk2] and V
+  // pairs of keys [n / 2 + 1][dv_pad][2] from `begin`.
+  const std::uint16_t* k16 = nullptr;
+  const std::uint16_t* v16 = nullptr;
+
+  bool cached() const { return k != nullptr || k16 != nullptr; }
 };
 
 // Software prefetches of the `rows` K and V rows that the next unit will
@@ -114,11 +120,14 @@ struct Scratch {
         l(AllocFloats(t.rows_pad)),
         alpha(AllocFloats(t.rows_pad)),
         row_keys(static_cast<std::size_t>(t.rows_pad)),
-        panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {}
+        panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {
+    if (t.engine) eb.emplace(t.rows_pad, t.keys, t.dk, t.dv_pad);
+  }
 
   // k and v, allocated on first use (NeedBlockBuffers): a task whose keys
   // are cached or read in place never touches them.
   void NeedBlockBuffers() {
+    if (eb) return eb->NeedBlockBuffers(shape.keys, shape.dv_pad);
     if (k) return;
     k = AllocFloats(shape.keys * std::max(shape.dk, shape.a_pad));
     v = AllocFloats(shape.keys * std::max(shape.dv_pad, shape.dk));  // also additive K rows
@@ -131,6 +140,7 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> k_cache, v_cache;
   std::int64_t cache_capacity = 0;  // floats in each of k_cache and v_cache
   RowPrefetch ahead;                // rows the next unit of the task packs
+  std::optional<EngineBuffers> eb;  // the bf16 engine's buffers, when it runs
 };
 
 // V rows of a key block for AccumulateValues: column panels of NR floats,
@@ -286,6 +296,17 @@ inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry
                         const TileShape& shape, const PackedKeys& cache, std::int64_t j0,
                         std::int64_t cols, const KeySpan* panel_keys, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
+  if (sc.eb) {
+    const std::uint16_t* k_rows = cache.k16 + (j0 - cache.begin) * sc.eb->dk2;
+    if (cache.k16 == nullptr) {  // pack the block (V too, from its first key)
+      k_rows = sc.eb->k.get();
+      PackKeysBf16(plan, g.seq, j0, cols, u.hkv, shape.dv_pad, 0, sc.row.get(), *sc.eb,
+                   sc.eb->k.get(), sc.eb->v.get());
+    }
+    EngineScores(*EngineOf(plan), k_rows, cols, g.rows(), shape.rows_pad,
+                 static_cast<float>(plan.params.scale), *sc.eb, sc.s.get());
+    return;
+  }
   const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
   if (plan.params.score == Score::additive) {
     // Keys projected through W_k (+ bias) into [cols][a_pad].
@@ -313,6 +334,7 @@ inline TileShape ShapeOf(const FlashPlan& plan) {
   t.dk = std::max({p.dq, p.dk, std::int64_t{1}});
   t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), ValueWidth());
   t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);
+  t.engine = EngineOf(plan).has_value();
   return t;
 }
 
@@ -350,6 +372,7 @@ inline void PrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeome
     const std::uint8_t* ahead = src + kRowsAhead * row_bytes;
     for (std::int64_t b = 0; b < row_span; b += 64) hwy::Prefetch(ahead + b);
   };
+  if (sc.eb) return EnginePrepareQueries(plan, u, g, shape.rows_pad, sc.row.get(), *sc.eb);
   if (plan.params.score == Score::additive) {
     std::fill(sc.q.get() + rows * p.dq, sc.q.get() + shape.rows_pad * shape.dk, 0.0f);
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -557,6 +580,16 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
         }
         o_written = true;
         if (plan.params.dropout.p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
+        if (sc.eb) {
+          // V pairs from the task's cache (from the pair holding key j0) or
+          // packed with the block's keys.
+          const std::int64_t t = j0 - cache.begin;
+          const std::uint16_t* v =
+              cache.v16 != nullptr ? cache.v16 + (t / 2) * 2 * shape.dv_pad : sc.eb->v.get();
+          EngineValues(*EngineOf(plan), s, rows_pad, rows, cols, row_keys, v,
+                       cache.v16 != nullptr ? t % 2 : 0, shape.dv_pad, overwrite, *sc.eb, o);
+          return;
+        }
         const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
         AccumulateValues(s, rows_pad, rows, cols, row_keys, v.v, v.row_stride, v.panel_stride,
                          shape.dv_pad, o, shape.dv_pad, overwrite);
@@ -718,6 +751,25 @@ inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileS
   const std::int64_t begin = std::min(first.begin * plan.config.keys, g.seq.nk_rows);
   const std::int64_t end = std::min(last.end * plan.config.keys, g.seq.nk_rows);
   const std::int64_t n = end - begin;
+  if (sc.eb) {
+    EngineBuffers& eb = *sc.eb;
+    const std::int64_t pair_units = n / 2 + 1;
+    const std::int64_t bytes = 2 * (n * eb.dk2 + pair_units * 2 * shape.dv_pad);
+    if (n <= 0 || bytes > plan.config.packed_keys_bytes) return {};
+    if (n > eb.cache_capacity) {
+      eb.k_cache = AllocBf16(n * eb.dk2);
+      eb.v_cache = AllocBf16(pair_units * 2 * shape.dv_pad);
+      eb.cache_capacity = n;
+    }
+    // Pair slots past the last packed key weigh 0 in P V: zeros, not
+    // whatever the buffer held.
+    std::fill_n(eb.v_cache.get(), pair_units * 2 * shape.dv_pad, std::uint16_t{0});
+    PackedKeys cache;
+    cache.begin = cache.packed = begin;
+    cache.k16 = eb.k_cache.get();
+    cache.v16 = eb.v_cache.get();
+    return cache;
+  }
   if (n > 0 && KeysInPlace(plan, task, n)) {
     const std::int64_t hkv = first_unit.hkv;
     return {reinterpret_cast<const float*>(At(plan.k, g.seq.batch, g.seq.k_begin + begin, hkv)),
@@ -729,7 +781,10 @@ inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileS
             ValueWidth()};
   }
   const std::int64_t floats = n * std::max(plan.problem->dk, shape.dv_pad);
-  if (n <= 0 || floats * 2 * static_cast<std::int64_t>(sizeof(float)) > kPackedKeysBytes) return {};
+  if (n <= 0 ||
+      floats * 2 * static_cast<std::int64_t>(sizeof(float)) > plan.config.packed_keys_bytes) {
+    return {};
+  }
   if (floats > sc.cache_capacity) {
     sc.k_cache = AllocFloats(floats);
     sc.v_cache = AllocFloats(floats);
@@ -754,7 +809,13 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
   const UnitGeometry g = GeometryOf(plan, u);
   const BlockSpan span = SpanOf(plan, u, g);
   const std::int64_t calls = 2 * (span.end - span.begin);
-  if (end > cache.packed) {
+  if (end > cache.packed && sc.eb) {
+    const std::int64_t at = cache.packed - cache.begin;
+    PackKeysBf16(plan, g.seq, cache.packed, end - cache.packed, u.hkv, shape.dv_pad, at,
+                 sc.row.get(), *sc.eb, sc.eb->k_cache.get() + at * sc.eb->dk2,
+                 sc.eb->v_cache.get());
+    cache.packed = end;
+  } else if (end > cache.packed) {
     const std::int64_t n = end - cache.packed;
     const std::int64_t at = cache.packed - cache.begin;
     PackRows(plan.k, g.seq, cache.packed, n, u.hkv, plan.problem->dk,
@@ -806,14 +867,14 @@ bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
     for (std::int64_t i = 0; i < n; ++i) {
       const Task& task = plan.tasks[static_cast<std::size_t>(i)];
       PackedKeys cache = CacheTask(plan, task, shape, scratch);
-      if (cache.k == nullptr || plan.params.score == Score::additive) {
+      if (!cache.cached() || plan.params.score == Score::additive) {
         scratch.NeedBlockBuffers();
       }
       scratch.ahead.rows = 0;
       std::int64_t end = KeysEnd(plan, plan.units[static_cast<std::size_t>(task.unit_begin)]);
       for (std::int64_t u = task.unit_begin; u < task.unit_end; ++u) {
         const Unit& unit = plan.units[static_cast<std::size_t>(u)];
-        if (cache.k != nullptr) {
+        if (cache.cached()) {
           const std::int64_t next_end =
               u + 1 < task.unit_end ? KeysEnd(plan, plan.units[static_cast<std::size_t>(u + 1)])
                                     : end;

@@ -46,6 +46,7 @@ HWY_AFTER_NAMESPACE();
 #include "core/elements.hpp"
 #include "core/key_range.hpp"
 #include "core/sparse.hpp"
+#include "cpu/engines/select.hpp"
 #include "qkv/positional.hpp"
 
 namespace qkv::cpu {
@@ -63,6 +64,20 @@ void exp_row(const float* src, std::int64_t n, float* dst) {
   HWY_DYNAMIC_DISPATCH(ExpRow)(src, n, dst);
 }
 const char* flash_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
+
+std::optional<engines::Bf16Engine> forward_engine(const KernelParams& params, ConstTensorView q,
+                                                  ConstTensorView k, ConstTensorView v) {
+  if (params.score == Score::additive) return std::nullopt;
+  const auto narrow = [](DType t) { return t == DType::f32 || t == DType::f16; };
+  const bool bf16 =
+      q.dtype() == DType::bf16 && k.dtype() == DType::bf16 && v.dtype() == DType::bf16;
+  const bool medium = params.matmul_precision == MatmulPrecision::medium &&
+                      (q.dtype() == DType::bf16 || narrow(q.dtype())) &&
+                      (k.dtype() == DType::bf16 || narrow(k.dtype())) &&
+                      (v.dtype() == DType::bf16 || narrow(v.dtype()));
+  if (!bf16 && !medium) return std::nullopt;
+  return engines::bf16_engine();
+}
 bool flash_forward(const FlashPlan& plan) { return HWY_DYNAMIC_DISPATCH(Forward)(plan); }
 void flash_probabilities(const FlashPlan& plan) { HWY_DYNAMIC_DISPATCH(Probabilities)(plan); }
 
@@ -153,7 +168,10 @@ FlashConfig flash_config() {
     c.keys = env_size("QKV_FLASH_KEYS", c.keys);
     return c;
   }();
-  return config;
+  // Read on each call, so that a test can turn the packing per block on.
+  FlashConfig c = config;
+  c.packed_keys_bytes = env_size("QKV_FLASH_PACKED_KEYS_BYTES", c.packed_keys_bytes);
+  return c;
 }
 
 FlashPlan make_plan(const detail::AttentionProblem& problem, const KernelParams& params,

@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/problem.hpp"
+#include "cpu/engines/bf16_product.hpp"
 #include "cpu/params.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/flex.hpp"
@@ -18,10 +20,14 @@ namespace qkv::cpu {
 struct FlashConfig {
   std::int64_t rows = 96;   // target rows of a Q tile (all heads of a KV group)
   std::int64_t keys = 256;  // keys per KV tile
+  // Per-thread budget for a task's keys and values packed once for all its
+  // units; a task needing more packs each block as it comes.
+  std::int64_t packed_keys_bytes = std::int64_t{16} << 20;
 };
 
 // The tile sizes in use: FlashConfig's defaults, overridden by the
-// environment variables QKV_FLASH_ROWS and QKV_FLASH_KEYS (for tuning).
+// environment variables QKV_FLASH_ROWS and QKV_FLASH_KEYS (for tuning) and,
+// for tests of the per-block packing, QKV_FLASH_PACKED_KEYS_BYTES.
 FlashConfig flash_config();
 
 // How a (unit, key block) tile relates to the explicit masks.
@@ -74,7 +80,16 @@ struct FlashPlan {
   // [Hq][2 R + 1] relative position bias by j - p_i + R (empty when unused).
   std::vector<float> relative_bias;
   std::int64_t relative_radius = 0;  // R
+  // The engine of the forward's products (flash_engine-inl.h), or none: f32
+  // FMAs on the inputs widened to f32 (forward_engine chooses).
+  std::optional<engines::Bf16Engine> engine;
 };
+
+// The engine for a forward's products: bf16 q, k and v, or f32 and f16
+// ones under MatmulPrecision::medium (rounded to bf16), with a dot-product
+// score, where engines::bf16_engine() has one; else none.
+std::optional<engines::Bf16Engine> forward_engine(const KernelParams& params, ConstTensorView q,
+                                                  ConstTensorView k, ConstTensorView v);
 
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
 // once, sparse patterns from their parameters), the relative bias table;

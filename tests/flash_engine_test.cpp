@@ -1,0 +1,206 @@
+// The fused forward on bf16 engines (cpu/flash_engine-inl.h), run through
+// each engine's portable emulation (and the instruction where this CPU has
+// it): the packing of Q, K and V in pairs, the blocking, the tails of odd
+// head dims, blocks starting at odd keys, the per-block packing, GQA, Dk !=
+// Dv, masks, windows, softcap, ALiBi, sinks and dropout.
+//
+// Error model: the engine path computes what the f32 path computes on the
+// same bf16 operands, except that each weight P is rounded to bf16 before
+// P V (FlashAttention's rounding) and the f32 sums run in another order. So
+// per output element, |engine - f32 path| <= 2^-9 sum_j p_j |v_j| (half a
+// bf16 ulp per weight) <= 2^-9 max|v|, plus the outputs' own rounding
+// (half an ulp of the output dtype each), plus f32 terms of the scores'
+// sums: bounded by 2 dk u32 scale sum|q||k| e-fold in the weights, within
+// 1% of the first term at these sizes and ranges.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu/engines/bf16_product.hpp"
+#include "cpu/engines/select.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::DType;
+using qkv::Tensor;
+using qkv::cpu::engines::Bf16Engine;
+using qkv::test::max_abs;
+using qkv::test::max_abs_diff;
+using qkv::test::random_tensor;
+
+struct Case {
+  std::string name;
+  std::int64_t b, nq, nk, hq, hkv, dk, dv;
+  AttentionOptions options;
+};
+
+std::vector<float> slopes(std::int64_t hq) {
+  std::vector<float> s;
+  for (std::int64_t h = 0; h < hq; ++h) s.push_back(std::ldexp(1.0f, -static_cast<int>(h + 1)));
+  return s;
+}
+
+const std::vector<float> kSlopes = slopes(4);
+const std::vector<float> kSinks = {0.5f, -1.0f, 2.0f, 0.0f};
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  c.push_back({"gqa", 2, 37, 70, 4, 2, 64, 64, {}});
+  AttentionOptions causal;
+  causal.causal = true;
+  c.push_back({"causal odd dk", 1, 150, 150, 2, 1, 33, 32, causal});
+  AttentionOptions window;
+  window.window_left = 17;
+  window.window_right = 3;
+  c.push_back({"window (blocks at odd keys)", 1, 130, 130, 2, 2, 32, 48, window});
+  c.push_back({"dk != dv", 1, 20, 45, 2, 1, 48, 80, {}});
+  AttentionOptions mods;
+  mods.softcap = 5.0;
+  mods.alibi_slopes = kSlopes;
+  mods.sinks = kSinks;
+  c.push_back({"softcap alibi sinks", 1, 40, 90, 4, 2, 64, 64, mods});
+  AttentionOptions dropout;
+  dropout.dropout_p = 0.2;
+  dropout.dropout_seed = 7;
+  c.push_back({"dropout", 1, 30, 60, 2, 1, 32, 32, dropout});
+  return c;
+}
+
+struct Outputs {
+  Tensor out, lse;
+};
+
+Outputs run(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o,
+            std::optional<Bf16Engine> engine) {
+  qkv::cpu::engines::set_bf16_engine_for_test(engine);
+  AttentionOptions options = o;
+  options.return_lse = true;
+  auto r = qkv::attention(q, k, v, options);
+  qkv::cpu::engines::reset_bf16_engine_for_test();
+  return {std::move(r.out), std::move(r.lse)};
+}
+
+// The engine's result against the f32 path's on the same operands, within
+// the header's model; and the engine ran (the weights' rounding shows).
+void expect_within_model(const Case& c, DType dtype, Bf16Engine engine, std::uint32_t seed,
+                         const AttentionOptions& options) {
+  SCOPED_TRACE(c.name + " " + qkv::cpu::engines::engine_name(engine) + " " +
+               std::string(qkv::dtype_name(dtype)));
+  const Tensor q = random_tensor(dtype, {c.b, c.nq, c.hq, c.dk}, seed, -2.0, 2.0);
+  const Tensor k = random_tensor(dtype, {c.b, c.nk, c.hkv, c.dk}, seed + 1, -2.0, 2.0);
+  const Tensor v = random_tensor(dtype, {c.b, c.nk, c.hkv, c.dv}, seed + 2);
+  const Outputs got = run(q, k, v, options, engine);
+  // The f32 path on the same bf16 operands: for f32 inputs under medium,
+  // the inputs rounded to bf16 first (and kept in f32) at highest.
+  AttentionOptions highest = options;
+  highest.matmul_precision = qkv::MatmulPrecision::highest;
+  const auto to_bf16_values = [](const Tensor& t) {
+    return qkv::to_dtype(qkv::to_dtype(t, DType::bf16), t.dtype());
+  };
+  const Outputs want = dtype == DType::bf16 ? run(q, k, v, highest, std::nullopt)
+                                            : run(to_bf16_values(q), to_bf16_values(k),
+                                                  to_bf16_values(v), highest, std::nullopt);
+  const double u_out = dtype == DType::bf16 ? std::ldexp(1.0, -9) : 0.0;
+  const double bound = std::ldexp(1.0, -9) * max_abs(v) * 1.01 + 2 * u_out * max_abs(want.out) +
+                       64 * std::ldexp(1.0, -24);
+  const double diff = max_abs_diff(got.out, want.out);
+  std::printf("[ engine ] %-28s %-22s %s: |diff| %.3g (bound %.3g)\n", c.name.c_str(),
+              qkv::cpu::engines::engine_name(engine), std::string(qkv::dtype_name(dtype)).c_str(),
+              diff, bound);
+  EXPECT_LE(diff, bound);
+  EXPECT_GT(diff, 0.0) << "the engine did not run";
+  // lse comes from f32 scores of the same operands: sums in another order.
+  EXPECT_LE(max_abs_diff(got.lse, want.lse), 1e-4);
+}
+
+constexpr Bf16Engine kEmulations[] = {Bf16Engine::emulate_avx512_bf16,
+                                      Bf16Engine::emulate_amx_bf16};
+
+TEST(FlashEngine, Bf16InputsWithinTheModel) {
+  std::uint32_t seed = 10;
+  for (const Bf16Engine e : kEmulations) {
+    for (const Case& c : cases()) expect_within_model(c, DType::bf16, e, seed += 3, c.options);
+  }
+}
+
+TEST(FlashEngine, MediumPrecisionRoundsF32AndF16Inputs) {
+  std::uint32_t seed = 50;
+  for (const DType dtype : {DType::f32, DType::f16}) {
+    for (const Case& c : cases()) {
+      AttentionOptions medium = c.options;
+      medium.matmul_precision = qkv::MatmulPrecision::medium;
+      expect_within_model(c, dtype, Bf16Engine::emulate_amx_bf16, seed += 3, medium);
+    }
+  }
+}
+
+TEST(FlashEngine, PackingPerBlockEqualsPackingPerTask) {
+  // A budget of one byte: every block packs its own keys, pairs from the
+  // block's first key; the result is the same bit for bit.
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const Tensor q = random_tensor(DType::bf16, {c.b, c.nq, c.hq, c.dk}, 3);
+    const Tensor k = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dk}, 4);
+    const Tensor v = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dv}, 5);
+    const Outputs task = run(q, k, v, c.options, Bf16Engine::emulate_avx512_bf16);
+    ASSERT_EQ(setenv("QKV_FLASH_PACKED_KEYS_BYTES", "1", 1), 0);
+    const Outputs block = run(q, k, v, c.options, Bf16Engine::emulate_avx512_bf16);
+    ASSERT_EQ(unsetenv("QKV_FLASH_PACKED_KEYS_BYTES"), 0);
+    // Same pairs of keys except where a block starts at an odd key: there
+    // the per-task pairs hold a zero-weighted neighbour, which adds zero.
+    EXPECT_EQ(max_abs_diff(task.out, block.out), 0.0);
+  }
+}
+
+TEST(FlashEngine, BitwiseTheSameOnAnyThreadCount) {
+  const Case c = cases()[1];
+  const Tensor q = random_tensor(DType::bf16, {c.b, c.nq, c.hq, c.dk}, 8);
+  const Tensor k = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dk}, 9);
+  const Tensor v = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dv}, 10);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const Outputs one = run(q, k, v, c.options, Bf16Engine::emulate_amx_bf16);
+  omp_set_num_threads(3);
+  const Outputs three = run(q, k, v, c.options, Bf16Engine::emulate_amx_bf16);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(max_abs_diff(one.out, three.out), 0.0);
+  EXPECT_EQ(max_abs_diff(one.lse, three.lse), 0.0);
+}
+
+// Where this CPU has an engine, the instruction gives its emulation's
+// result (AVX512-BF16 bit for bit; AMX within the model, whose order of a
+// pair's products the hardware may not keep).
+TEST(FlashEngine, InstructionsMatchTheirEmulations) {
+  const std::pair<Bf16Engine, Bf16Engine> engines[] = {
+      {Bf16Engine::avx512_bf16, Bf16Engine::emulate_avx512_bf16},
+      {Bf16Engine::amx_bf16, Bf16Engine::emulate_amx_bf16}};
+  int ran = 0;
+  for (const auto& [hardware, emulation] : engines) {
+    if (!qkv::cpu::engines::engine_available(hardware)) continue;
+    ++ran;
+    for (const Case& c : cases()) {
+      SCOPED_TRACE(c.name);
+      const Tensor q = random_tensor(DType::bf16, {c.b, c.nq, c.hq, c.dk}, 11);
+      const Tensor k = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dk}, 12);
+      const Tensor v = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dv}, 13);
+      const Outputs hw = run(q, k, v, c.options, hardware);
+      const Outputs em = run(q, k, v, c.options, emulation);
+      if (hardware == Bf16Engine::avx512_bf16) {
+        EXPECT_EQ(max_abs_diff(hw.out, em.out), 0.0);
+      } else {
+        EXPECT_LE(max_abs_diff(hw.out, em.out), std::ldexp(1.0, -7) * max_abs(em.out) + 1e-6);
+      }
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no bf16 engine on this CPU: the emulations ran above";
+}
+
+}  // namespace
