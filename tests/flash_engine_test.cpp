@@ -175,6 +175,93 @@ TEST(FlashEngine, BitwiseTheSameOnAnyThreadCount) {
   EXPECT_EQ(max_abs_diff(one.lse, three.lse), 0.0);
 }
 
+// The backward's error model against the f32 backward on the same
+// operands: rounding P to bf16 moves dV_j by at most 2^-9 sum_r P_rj |dO_r|
+// <= 2^-9 C max|dO|, C the largest column sum of P over the rows and heads
+// sharing the key (times 1 / (1 - p) with dropout); rounding dS moves dK_j
+// by at most scale 2^-9 sum_r |dS_rj| |Q_r|, with |dS_rj| <= P_rj (|dP_rj| +
+// |D_r|) <= 2 P_rj Dv max|dO| max|V|, and dQ_r likewise with sum_j P_rj = 1
+// and |K_j|; each bf16 gradient adds its own rounding (half an ulp) on both
+// sides.
+void expect_backward_within_model(const Case& c, DType dtype, Bf16Engine engine, std::uint32_t seed,
+                                  const AttentionOptions& options) {
+  SCOPED_TRACE(c.name + " " + qkv::cpu::engines::engine_name(engine) + " " +
+               std::string(qkv::dtype_name(dtype)));
+  const auto rounded = [&](const Tensor& t) {
+    return dtype == DType::bf16 ? qkv::to_dtype(t, DType::bf16)
+                                : qkv::to_dtype(qkv::to_dtype(t, DType::bf16), dtype);
+  };
+  const Tensor q = rounded(random_tensor(DType::f32, {c.b, c.nq, c.hq, c.dk}, seed, -2.0, 2.0));
+  const Tensor k =
+      rounded(random_tensor(DType::f32, {c.b, c.nk, c.hkv, c.dk}, seed + 1, -2.0, 2.0));
+  const Tensor v = rounded(random_tensor(DType::f32, {c.b, c.nk, c.hkv, c.dv}, seed + 2));
+  const Tensor dout = rounded(random_tensor(DType::f32, {c.b, c.nq, c.hq, c.dv}, seed + 3));
+  AttentionOptions highest = options;
+  highest.matmul_precision = qkv::MatmulPrecision::highest;
+  highest.return_lse = true;
+  highest.return_probs = true;
+  qkv::cpu::engines::set_bf16_engine_for_test(std::nullopt);
+  const auto fwd = qkv::attention(q, k, v, highest);
+  const auto want = qkv::attention_backward(q, k, v, fwd.out, dout, fwd.lse, highest);
+  qkv::cpu::engines::set_bf16_engine_for_test(engine);
+  const auto got = qkv::attention_backward(q, k, v, fwd.out, dout, fwd.lse, options);
+  qkv::cpu::engines::reset_bf16_engine_for_test();
+
+  // C: the largest sum of P over the rows and heads that see one key.
+  const Tensor probs = qkv::to_dtype(fwd.probs, DType::f64);
+  const double* pr = probs.data<double>();
+  const std::int64_t group = c.hq / c.hkv;
+  double col_sum = 0.0;
+  for (std::int64_t b = 0; b < c.b; ++b) {
+    for (std::int64_t hk = 0; hk < c.hkv; ++hk) {
+      for (std::int64_t j = 0; j < c.nk; ++j) {
+        double sum = 0.0;
+        for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+          for (std::int64_t i = 0; i < c.nq; ++i) sum += pr[((b * c.hq + h) * c.nq + i) * c.nk + j];
+        }
+        col_sum = std::max(col_sum, sum);
+      }
+    }
+  }
+  const double keep = options.dropout_p > 0 ? 1.0 / (1.0 - options.dropout_p) : 1.0;
+  const double u9 = std::ldexp(1.0, -9);
+  const double u_out =
+      dtype == DType::bf16 ? u9 : (dtype == DType::f16 ? std::ldexp(1.0, -11) : 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+  const double ds_max = 2.0 * keep * c.dv * max_abs(dout) * max_abs(v);
+  const double slack = 1.05;
+  const double f32 = 256 * std::ldexp(1.0, -24);
+  const double dv_bound =
+      slack * u9 * keep * col_sum * max_abs(dout) + 2 * u_out * max_abs(want.dv) + f32;
+  const double dk_bound = slack * scale * u9 * ds_max * col_sum * max_abs(q) +
+                          2 * u_out * max_abs(want.dk) + f32 * max_abs(want.dk);
+  const double dq_bound = slack * scale * u9 * ds_max * max_abs(k) + 2 * u_out * max_abs(want.dq) +
+                          f32 * max_abs(want.dq);
+  const double ddv = max_abs_diff(got.dv, want.dv), ddk = max_abs_diff(got.dk, want.dk),
+               ddq = max_abs_diff(got.dq, want.dq);
+  std::printf("[ engine ] backward %-28s %s: dv %.3g (%.3g) dk %.3g (%.3g) dq %.3g (%.3g)\n",
+              c.name.c_str(), std::string(qkv::dtype_name(dtype)).c_str(), ddv, dv_bound, ddk,
+              dk_bound, ddq, dq_bound);
+  EXPECT_LE(ddv, dv_bound);
+  EXPECT_LE(ddk, dk_bound);
+  EXPECT_LE(ddq, dq_bound);
+  EXPECT_GT(ddv + ddk + ddq, 0.0) << "the engine did not run";
+}
+
+TEST(FlashEngine, BackwardWithinTheModel) {
+  std::uint32_t seed = 200;
+  for (const Bf16Engine e : kEmulations) {
+    for (const Case& c : cases()) {
+      expect_backward_within_model(c, DType::bf16, e, seed += 5, c.options);
+    }
+  }
+  for (const Case& c : cases()) {
+    AttentionOptions medium = c.options;
+    medium.matmul_precision = qkv::MatmulPrecision::medium;
+    expect_backward_within_model(c, DType::f32, Bf16Engine::emulate_avx512_bf16, seed += 5, medium);
+  }
+}
+
 // Where this CPU has an engine, the instruction gives its emulation's
 // result (AVX512-BF16 bit for bit; AMX within the model, whose order of a
 // pair's products the hardware may not keep).

@@ -49,7 +49,7 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
   cpu::FlashPlan plan = cpu::make_plan(problem, cpu::lower(options, problem.scale),
                                        mods != nullptr ? *mods : function_mods, q, k, v,
                                        outputs.out, lse, outputs.probs);
-  plan.engine = cpu::forward_engine(plan.params, q, k, v);
+  plan.engine = cpu::products_engine(plan.params, q, k, v);
   detail::note_products_isa(plan.engine ? cpu::engines::engine_name(*plan.engine) : "f32");
   if (outputs.probs.defined()) {
     row_max = Tensor(DType::f32, stat_sizes);

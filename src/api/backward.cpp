@@ -42,9 +42,10 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   // mask_mod through std::function, one call per element of partial tiles.
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};
   const detail::TileMods mods = detail::function_tile_mods(functions);
-  const cpu::FlashPlan plan = cpu::make_plan(p, cpu::lower(o, p.scale), mods, q, k, v, {}, {}, {},
-                                             cpu::flash_backward_config());
-  detail::note_products_isa("f32");
+  cpu::FlashPlan plan = cpu::make_plan(p, cpu::lower(o, p.scale), mods, q, k, v, {}, {}, {},
+                                       cpu::flash_backward_config());
+  plan.engine = cpu::products_engine(plan.params, q, k, v);
+  detail::note_products_isa(plan.engine ? cpu::engines::engine_name(*plan.engine) : "f32");
   return cpu::flash_backward(plan, {out, dout, lse, grads});
 }
 

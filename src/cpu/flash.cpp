@@ -65,8 +65,8 @@ void exp_row(const float* src, std::int64_t n, float* dst) {
 }
 const char* flash_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
 
-std::optional<engines::Bf16Engine> forward_engine(const KernelParams& params, ConstTensorView q,
-                                                  ConstTensorView k, ConstTensorView v) {
+std::optional<engines::Bf16Engine> products_engine(const KernelParams& params, ConstTensorView q,
+                                                   ConstTensorView k, ConstTensorView v) {
   if (params.score == Score::additive) return std::nullopt;
   const auto narrow = [](DType t) { return t == DType::f32 || t == DType::f16; };
   const bool bf16 =

@@ -80,16 +80,17 @@ struct FlashPlan {
   // [Hq][2 R + 1] relative position bias by j - p_i + R (empty when unused).
   std::vector<float> relative_bias;
   std::int64_t relative_radius = 0;  // R
-  // The engine of the forward's products (flash_engine-inl.h), or none: f32
-  // FMAs on the inputs widened to f32 (forward_engine chooses).
+  // The engine of the products (flash_engine-inl.h, forward;
+  // flash_backward_engine-inl.h, backward), or none: f32 FMAs on the inputs
+  // widened to f32 (products_engine chooses).
   std::optional<engines::Bf16Engine> engine;
 };
 
-// The engine for a forward's products: bf16 q, k and v, or f32 and f16
-// ones under MatmulPrecision::medium (rounded to bf16), with a dot-product
-// score, where engines::bf16_engine() has one; else none.
-std::optional<engines::Bf16Engine> forward_engine(const KernelParams& params, ConstTensorView q,
-                                                  ConstTensorView k, ConstTensorView v);
+// The engine for a call's products, forward and backward: bf16 q, k and v,
+// or f32 and f16 ones under MatmulPrecision::medium (rounded to bf16), with
+// a dot-product score, where engines::bf16_engine() has one; else none.
+std::optional<engines::Bf16Engine> products_engine(const KernelParams& params, ConstTensorView q,
+                                                   ConstTensorView k, ConstTensorView v);
 
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
 // once, sparse patterns from their parameters), the relative bias table;

@@ -19,9 +19,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "cpu/flash-inl.h"
+#include "cpu/flash_backward_engine-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -101,6 +103,11 @@ struct BackwardScratch {
   std::vector<KeySpan> strip_rows;
   hwy::AlignedFreeUniquePtr<float[]> cache;
   std::int64_t cache_capacity = 0;  // floats
+  // On a bf16 engine (flash_backward_engine-inl.h): the buffers, and the
+  // bf16 operands of the task's query tiles (one per unit when cached, else
+  // the first reused).
+  std::optional<EngineBackwardBuffers> eb;
+  std::vector<EngineTile> engine_tiles;
 };
 
 // Rows of the tile from `t` ([B, N, H, width]): as transposed panels
@@ -193,7 +200,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
                          const UnitGeometry& g, const TileShape& shape, std::int64_t dk_pad,
                          const QueryTile& tile, std::int64_t j0, std::int64_t cols,
                          std::int64_t off, bool range_partial, bool mask_partial, Scratch& sc,
-                         BackwardScratch& b, double* bias_partial) {
+                         BackwardScratch& b, double* bias_partial, const EngineTile* engine_tile) {
   const FlashPlan& plan = *bp.plan;
   const KernelParams& o = plan.params;
   const detail::AttentionProblem& p = *plan.problem;
@@ -212,12 +219,19 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
 
   float* s = sc.s.get();
   float* dp = b.dp.get();
-  ScoresTransposed(b.k_rows.get() + off * p.dk, p.dk, cols, p.dk, tile.q_t, rows, rows_pad,
-                   panel_keys, s);
-  if (o.softcap > 0.0) std::copy_n(s, cols * rows_pad, b.raw.get());
-  ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_partial, s, rows_pad);
-  ScoresTransposed(b.v_rows.get() + off * shape.dv_pad, shape.dv_pad, cols, p.dv, tile.do_t, rows,
-                   rows_pad, panel_keys, dp);
+  if (engine_tile != nullptr) {
+    EngineScoresAndDp(*EngineOf(plan), *b.eb, *engine_tile, off, cols, rows, rows_pad,
+                      static_cast<float>(o.scale), s, dp);
+    if (o.softcap > 0.0) std::copy_n(s, cols * rows_pad, b.raw.get());
+    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_partial, s, rows_pad);
+  } else {
+    ScoresTransposed(b.k_rows.get() + off * p.dk, p.dk, cols, p.dk, tile.q_t, rows, rows_pad,
+                     panel_keys, s);
+    if (o.softcap > 0.0) std::copy_n(s, cols * rows_pad, b.raw.get());
+    ModifyAndMask(plan, u, g, j0, cols, range_partial, mask_partial, s, rows_pad);
+    ScoresTransposed(b.v_rows.get() + off * shape.dv_pad, shape.dv_pad, cols, p.dv, tile.do_t, rows,
+                     rows_pad, panel_keys, dp);
+  }
 
   // P = exp(S - lse): 0 for masked keys and for rows without any key.
   ProbabilitiesFromLse(tile.lse, rows_used, cols, s, rows_pad);
@@ -238,19 +252,24 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
     AccumulateBiasGradient(plan, u, g, j0, cols, rows_pad, dp, bias_partial);
   if (o.softcap > 0.0) SoftcapGradient(o.softcap, b.raw.get(), cols, rows_used, rows_pad, dp);
 
-  const KeySpan* strip_rows = nullptr;
-  if (row_keys != nullptr) {
-    StripRows(row_keys, rows, cols, b.strip_rows.data());
-    strip_rows = b.strip_rows.data();
-  }
-  AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, strip_rows, tile.do_cols,
-                       shape.dv_pad, b.dv.get() + off * shape.dv_pad, shape.dv_pad);
-  AccumulateTransposed(dp, rows_pad, rows, cols, strip_rows, tile.q_cols, dk_pad,
-                       b.dk.get() + off * dk_pad, dk_pad);
   float* dq = b.dq.get();
-  std::fill_n(dq, rows_pad * dk_pad, 0.0f);
-  AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
-                   ValueWidth(), shape.keys * ValueWidth(), dk_pad, dq, dk_pad);
+  if (engine_tile != nullptr) {
+    EngineGradients(*EngineOf(plan), *b.eb, *engine_tile, dropout ? b.pd.get() : s, dp, off, cols,
+                    rows, rows_pad, dk_pad, shape.dv_pad, b.dk.get(), b.dv.get(), dq);
+  } else {
+    const KeySpan* strip_rows = nullptr;
+    if (row_keys != nullptr) {
+      StripRows(row_keys, rows, cols, b.strip_rows.data());
+      strip_rows = b.strip_rows.data();
+    }
+    AccumulateTransposed(dropout ? b.pd.get() : s, rows_pad, rows, cols, strip_rows, tile.do_cols,
+                         shape.dv_pad, b.dv.get() + off * shape.dv_pad, shape.dv_pad);
+    AccumulateTransposed(dp, rows_pad, rows, cols, strip_rows, tile.q_cols, dk_pad,
+                         b.dk.get() + off * dk_pad, dk_pad);
+    std::fill_n(dq, rows_pad * dk_pad, 0.0f);
+    AccumulateValues(dp, rows_pad, rows, cols, row_keys, b.k_cols.get() + off * ValueWidth(),
+                     ValueWidth(), shape.keys * ValueWidth(), dk_pad, dq, dk_pad);
+  }
   // Into the chunk's dQ buffer, row (batch, query row, head) of q's layout;
   // the columns up to Dq rounded to the vector, which both rows have.
   float* partial = bp.dq_partial + task.chunk * p.batch * p.nq * p.hq * bp.dq_ld;
@@ -286,6 +305,13 @@ inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
   const std::int64_t tile_floats = QueryTileFloats(shape, dk_pad);
   const std::int64_t cached_floats = (task.unit_end - task.unit_begin) * tile_floats;
   const bool cached = cached_floats * static_cast<std::int64_t>(sizeof(float)) <= kTileCacheBytes;
+  const std::int64_t units = task.unit_end - task.unit_begin;
+  if (b.eb) {
+    const auto needed = static_cast<std::size_t>(cached ? units : 1);
+    while (b.engine_tiles.size() < needed) {
+      b.engine_tiles.emplace_back(shape.rows_pad, b.eb->dk2, b.eb->dv2, dk_pad, shape.dv_pad);
+    }
+  }
   if (cached) {
     if (cached_floats > b.cache_capacity) {
       b.cache = AllocFloats(cached_floats);
@@ -293,18 +319,27 @@ inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
     }
     for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {
       const Unit& u = plan.units[static_cast<std::size_t>(ui)];
-      PrepareTile(bp, u, GeometryOf(plan, u), shape,
+      const UnitGeometry g = GeometryOf(plan, u);
+      PrepareTile(bp, u, g, shape,
                   QueryTileAt(b.cache.get() + (ui - task.unit_begin) * tile_floats, shape, dk_pad),
                   b);
+      if (b.eb) {
+        EnginePrepareTile(bp, u, g, shape.rows_pad, dk_pad, shape.dv_pad, *b.eb, b.pack_row.get(),
+                          b.engine_tiles[static_cast<std::size_t>(ui - task.unit_begin)]);
+      }
     }
   }
   for (std::int64_t kb = task.block_begin; kb < task.block_end; ++kb) {
     const std::int64_t kj0 = kb * bk;
     const std::int64_t kcols = std::min(bk, head.seq.nk_rows - kj0);
-    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, p.dk, b.k_rows.get());
-    PackRows(plan.k, head.seq, kj0, kcols, first.hkv, dk_pad, b.k_cols.get(),
-             shape.keys * ValueWidth(), b.pack_row.get());
-    PackRows(plan.v, head.seq, kj0, kcols, first.hkv, shape.dv_pad, b.v_rows.get());
+    if (b.eb) {
+      EnginePackBlock(plan, head.seq, kj0, kcols, first.hkv, dk_pad, *b.eb, b.pack_row.get());
+    } else {
+      PackRows(plan.k, head.seq, kj0, kcols, first.hkv, p.dk, b.k_rows.get());
+      PackRows(plan.k, head.seq, kj0, kcols, first.hkv, dk_pad, b.k_cols.get(),
+               shape.keys * ValueWidth(), b.pack_row.get());
+      PackRows(plan.v, head.seq, kj0, kcols, first.hkv, shape.dv_pad, b.v_rows.get());
+    }
     std::fill_n(b.dk.get(), shape.keys * dk_pad, 0.0f);
     std::fill_n(b.dv.get(), shape.keys * shape.dv_pad, 0.0f);
     for (std::int64_t ui = task.unit_begin; ui < task.unit_end; ++ui) {
@@ -319,14 +354,22 @@ inline bool BackwardTaskRun(const BackwardPlan& bp, const BackwardTask& task,
       if (cols <= 0) continue;
       const bool range_partial = !(span.last.lo <= j0 && span.first.hi >= j0 + cols);
       QueryTile tile;
+      EngineTile* engine_tile = nullptr;
+      if (b.eb) {
+        engine_tile = &b.engine_tiles[static_cast<std::size_t>(cached ? ui - task.unit_begin : 0)];
+      }
       if (cached) {
         tile = QueryTileAt(b.cache.get() + (ui - task.unit_begin) * tile_floats, shape, dk_pad);
       } else {
         tile = QueryTileAt(b.tile.get(), shape, dk_pad);
         PrepareTile(bp, u, g, shape, tile, b);
+        if (b.eb) {
+          EnginePrepareTile(bp, u, g, shape.rows_pad, dk_pad, shape.dv_pad, *b.eb, b.pack_row.get(),
+                            *engine_tile);
+        }
       }
       BackwardTile(bp, task, u, g, shape, dk_pad, tile, j0, cols, j0 - kj0, range_partial,
-                   mask_class == BlockClass::partial, sc, b, bias_partial);
+                   mask_class == BlockClass::partial, sc, b, bias_partial, engine_tile);
     }
     const auto scale = static_cast<float>(plan.params.scale);
     for (std::int64_t j = 0; j < kcols; ++j) {
@@ -414,6 +457,10 @@ inline bool FlashBackwardImpl(const BackwardPlan& bp) {
   {
     Scratch sc(shape);
     BackwardScratch b(shape, dk_pad);
+    if (shape.engine) {
+      b.eb.emplace(shape.rows_pad, shape.keys, plan.problem->dk, plan.problem->dv, dk_pad,
+                   shape.dv_pad);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
       if (!BackwardTaskRun(bp, bp.tasks[static_cast<std::size_t>(i)], shape, dk_pad, sc, b,
