@@ -853,8 +853,8 @@ const std::vector<BadRow<DecodeCall>>& bad_decodes() {
             "value 7"}},
           {"matmul_precision_out_of_range",
            [](DecodeCall& c) { c.options.matmul_precision = static_cast<qkv::MatmulPrecision>(3); },
-           {"options.matmul_precision: expected MatmulPrecision::highest or "
-            "MatmulPrecision::medium, got value 3"}},
+           {"options.matmul_precision: expected MatmulPrecision::highest, MatmulPrecision::medium "
+            "or MatmulPrecision::int8, got value 3"}},
           {"score_out_of_range",
            [](DecodeCall& c) { c.options.score = static_cast<qkv::Score>(9); },
            {"options.score: expected Score::scaled_dot, Score::dot or Score::additive, got value "

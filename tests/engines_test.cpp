@@ -15,6 +15,7 @@
 
 #include "core/isa.hpp"
 #include "cpu/engines/bf16_product.hpp"
+#include "cpu/engines/int8_product.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
 
@@ -159,6 +160,53 @@ TEST(Engines, InstructionsMatchTheirEmulations) {
   }
   if (ran == 0) {
     GTEST_SKIP() << "no bf16 engine on this CPU (or QKV_ISA caps them): emulations tested above";
+  }
+}
+
+// The int8 product is exact: the emulation equals products in int64, and
+// each instruction the emulation, for sizes around the tile widths (depths
+// around 64, the AMX tile's), extreme values (-128 and 127) included.
+TEST(Engines, Int8ProductsAreExact) {
+  using qkv::cpu::engines::Int8Engine;
+  const std::int64_t sizes[][3] = {{1, 16, 4},    {7, 32, 60},   {8, 48, 64},  {9, 64, 68},
+                                   {16, 32, 128}, {17, 16, 132}, {33, 64, 256}};
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<int> byte(-128, 127);
+  for (const auto& s : sizes) {
+    const std::int64_t m = s[0], n = s[1], k = s[2], lda = k + 8, ldb = n + 16, ldc = n + 5;
+    std::vector<std::int8_t> a(static_cast<std::size_t>(m * lda)),
+        b(static_cast<std::size_t>(k * ldb));
+    std::vector<std::int32_t> c0(static_cast<std::size_t>(m * ldc));
+    for (auto& x : a) x = static_cast<std::int8_t>(byte(gen));
+    for (auto& x : b) x = static_cast<std::int8_t>(byte(gen));
+    for (auto& x : c0) x = byte(gen) * 1000;
+    a[0] = -128;
+    b[0] = -128;
+    for (const bool accumulate : {false, true}) {
+      SCOPED_TRACE(testing::Message()
+                   << "m" << m << " n" << n << " k" << k << " acc" << accumulate);
+      auto run = [&](Int8Engine e) {
+        std::vector<std::int32_t> c = c0;
+        qkv::cpu::engines::int8_product(
+            e, {a.data(), lda, b.data(), ldb, c.data(), ldc, m, n, k, accumulate});
+        return c;
+      };
+      const std::vector<std::int32_t> emulated = run(Int8Engine::emulate);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < ldc; ++j) {
+          std::int64_t want = accumulate || j >= n ? c0[i * ldc + j] : 0;
+          for (std::int64_t x = 0; j < n && x < k; ++x) {
+            want += std::int64_t{a[i * lda + x]} * b[(x / 4) * 4 * ldb + 4 * j + x % 4];
+          }
+          ASSERT_EQ(emulated[i * ldc + j], want) << i << "," << j;
+        }
+      }
+      for (const Int8Engine e : {Int8Engine::avx512_vnni, Int8Engine::amx_int8}) {
+        if (qkv::cpu::engines::engine_available(e)) {
+          EXPECT_EQ(run(e), emulated);
+        }
+      }
+    }
   }
 }
 

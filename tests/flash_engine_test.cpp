@@ -262,6 +262,83 @@ TEST(FlashEngine, BackwardWithinTheModel) {
   }
 }
 
+// Cosine similarity of two tensors' values, in double.
+double cosine(const Tensor& a, const Tensor& b) {
+  const Tensor x = qkv::to_dtype(a, DType::f64), y = qkv::to_dtype(b, DType::f64);
+  double xy = 0, xx = 0, yy = 0;
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    xy += x.data<double>()[i] * y.data<double>()[i];
+    xx += x.data<double>()[i] * x.data<double>()[i];
+    yy += y.data<double>()[i] * y.data<double>()[i];
+  }
+  return xy / std::sqrt(xx * yy);
+}
+
+// MatmulPrecision::int8 (the emulated int8 engine with the emulated bf16
+// one) against the reference in f64: random inputs, and keys whose
+// channels carry large offsets shared by every key (which smoothing K by
+// its mean removes) and a few large entries. SageAttention's measure:
+// cosine similarity of the outputs, here >= 0.999.
+TEST(FlashEngine, Int8ScoresAgainstF64) {
+  struct Keys {
+    const char* name;
+    double offset;   // added to channel 3 of every key
+    double outlier;  // a few entries this large
+  };
+  for (const Keys keys : {Keys{"random", 0.0, 0.0}, Keys{"channel offsets", 20.0, 0.0},
+                          Keys{"outlier entries", 0.0, 8.0}}) {
+    for (const Case& c : cases()) {
+      if (c.options.dropout_p > 0) continue;  // compared with the reference, which draws alike
+      SCOPED_TRACE(std::string(keys.name) + " " + c.name);
+      const Tensor q = random_tensor(DType::f32, {c.b, c.nq, c.hq, c.dk}, 31, -2.0, 2.0);
+      Tensor k = random_tensor(DType::f32, {c.b, c.nk, c.hkv, c.dk}, 32, -2.0, 2.0);
+      const Tensor v = random_tensor(DType::f32, {c.b, c.nk, c.hkv, c.dv}, 33);
+      float* kd = k.data<float>();
+      for (std::int64_t i = 0; i < k.numel(); ++i) {
+        if (i % c.dk == 3) kd[i] += static_cast<float>(keys.offset);
+        if (i % 997 == 5) kd[i] = static_cast<float>(keys.outlier != 0 ? keys.outlier : kd[i]);
+      }
+      AttentionOptions int8 = c.options;
+      int8.matmul_precision = qkv::MatmulPrecision::int8;
+      qkv::cpu::engines::set_bf16_engine_for_test(Bf16Engine::emulate_amx_bf16);
+      qkv::cpu::engines::set_int8_engine_for_test(qkv::cpu::engines::Int8Engine::emulate);
+      const Tensor got = qkv::attention(q, k, v, int8).out;
+      AttentionOptions medium = c.options;
+      medium.matmul_precision = qkv::MatmulPrecision::medium;
+      const Tensor bf16 = qkv::attention(q, k, v, medium).out;
+      qkv::cpu::engines::reset_bf16_engine_for_test();
+      AttentionOptions reference = c.options;
+      reference.backend = qkv::Backend::reference;
+      const Tensor exact =
+          qkv::attention(qkv::to_dtype(q, DType::f64), qkv::to_dtype(k, DType::f64),
+                         qkv::to_dtype(v, DType::f64), reference)
+              .out;
+      const double cos = cosine(got, exact);
+      std::printf("[ int8 ] %-16s %-28s cosine %.6f, max|err| %.3g (medium: %.6f, %.3g)\n",
+                  keys.name, c.name.c_str(), cos, max_abs_diff(got, exact), cosine(bf16, exact),
+                  max_abs_diff(bf16, exact));
+      EXPECT_GE(cos, 0.999);
+      EXPECT_GT(max_abs_diff(got, bf16), 0.0) << "the int8 scores did not run";
+    }
+  }
+}
+
+// Without an int8 engine, int8 is medium bit for bit.
+TEST(FlashEngine, Int8WithoutItsEngineIsMedium) {
+  const Case c = cases()[0];
+  const Tensor q = random_tensor(DType::bf16, {c.b, c.nq, c.hq, c.dk}, 41);
+  const Tensor k = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dk}, 42);
+  const Tensor v = random_tensor(DType::bf16, {c.b, c.nk, c.hkv, c.dv}, 43);
+  AttentionOptions int8;
+  int8.matmul_precision = qkv::MatmulPrecision::int8;
+  qkv::cpu::engines::set_bf16_engine_for_test(Bf16Engine::emulate_avx512_bf16);
+  qkv::cpu::engines::set_int8_engine_for_test(std::nullopt);
+  const Tensor a = qkv::attention(q, k, v, int8).out;
+  const Tensor b = qkv::attention(q, k, v).out;
+  qkv::cpu::engines::reset_bf16_engine_for_test();
+  EXPECT_EQ(max_abs_diff(a, b), 0.0);
+}
+
 // Where this CPU has an engine, the instruction gives its emulation's
 // result (AVX512-BF16 bit for bit; AMX within the model, whose order of a
 // pair's products the hardware may not keep).

@@ -353,10 +353,10 @@ const std::vector<BadCase>& bad_cases() {
        [](Call& c) { c.options.backend = static_cast<qkv::Backend>(5); },
        {"options.backend", "got value 5"}},
       {"matmul_precision_out_of_range",
-       [](Call& c) { c.options.matmul_precision = static_cast<qkv::MatmulPrecision>(2); },
-       {"options.matmul_precision: expected MatmulPrecision::highest or "
-        "MatmulPrecision::medium",
-        "got value 2"}},
+       [](Call& c) { c.options.matmul_precision = static_cast<qkv::MatmulPrecision>(3); },
+       {"options.matmul_precision: expected MatmulPrecision::highest, MatmulPrecision::medium or "
+        "MatmulPrecision::int8",
+        "got value 3"}},
 
       // key lengths and packed sequences
       {"key_lengths_count",

@@ -97,9 +97,14 @@ enum class Backend : std::uint8_t {
 // path that has no faster product for the call computes it at `highest`.
 enum class MatmulPrecision : std::uint8_t {
   highest,  // f32 products of the stored values (f64 for f64 inputs)
-  medium,   // bf16 dot products with f32 sums where the CPU has them (AVX512-BF16):
-            // today decode_attention of bf16 caches, whose queries and weights
-            // are then rounded to bf16 (docs/numerics.md)
+  medium,   // bf16 dot products with f32 sums where the CPU has an engine for
+            // them (AMX, AVX512-BF16; `qkv info`): the fused forward and
+            // backward of f32 and f16 inputs (rounded to bf16) and
+            // decode_attention of bf16 caches (docs/matrix-engines.md)
+  int8,     // medium, and the fused forward's Q K^T in int8 (per-row Q and
+            // per-key K scales, K smoothed by its mean over the keys:
+            // SageAttention) where the CPU has AMX-INT8 or AVX512-VNNI and a
+            // bf16 engine; the backward computes at medium (docs/numerics.md)
 };
 
 // Parameters of Score::additive, shared by all heads. A is the attention size.

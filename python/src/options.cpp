@@ -94,7 +94,9 @@ struct Names<Backend> {
 template <>
 struct Names<MatmulPrecision> {
   static constexpr std::pair<const char*, MatmulPrecision> all[] = {
-      {"highest", MatmulPrecision::highest}, {"medium", MatmulPrecision::medium}};
+      {"highest", MatmulPrecision::highest},
+      {"medium", MatmulPrecision::medium},
+      {"int8", MatmulPrecision::int8}};
 };
 
 template <class E>

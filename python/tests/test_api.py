@@ -290,8 +290,8 @@ def test_decode_matmul_precision_medium_within_bf16_rounding():
     f32.append(k, v)
     np.testing.assert_array_equal(qkv.decode_attention(q, f32, matmul_precision="medium"),
                                   qkv.decode_attention(q, f32))
-    with pytest.raises(ValueError, match="matmul_precision: expected 'highest' or 'medium', "
-                                         "got 'high'"):
+    with pytest.raises(ValueError, match="matmul_precision: expected 'highest', 'medium' or "
+                                         "'int8', got 'high'"):
         qkv.decode_attention(q, bf16, matmul_precision="high")
 
 

@@ -50,7 +50,10 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
                                        mods != nullptr ? *mods : function_mods, q, k, v,
                                        outputs.out, lse, outputs.probs);
   plan.engine = cpu::products_engine(plan.params, q, k, v);
-  detail::note_products_isa(plan.engine ? cpu::engines::engine_name(*plan.engine) : "f32");
+  plan.int8 = cpu::scores_int8_engine(plan.params, plan.engine);
+  detail::note_products_isa(plan.int8     ? cpu::engines::engine_name(*plan.int8)
+                            : plan.engine ? cpu::engines::engine_name(*plan.engine)
+                                          : "f32");
   if (outputs.probs.defined()) {
     row_max = Tensor(DType::f32, stat_sizes);
     row_scale = Tensor(DType::f32, stat_sizes);

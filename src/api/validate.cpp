@@ -354,10 +354,10 @@ void check_scalar_options(const AttentionOptions& o, Reasons& r) {
         "value " +
         to_string(static_cast<int>(o.backend)));
   }
-  if (o.matmul_precision > MatmulPrecision::medium) {
+  if (o.matmul_precision > MatmulPrecision::int8) {
     r.push_back(
-        "options.matmul_precision: expected MatmulPrecision::highest or MatmulPrecision::medium, "
-        "got value " +
+        "options.matmul_precision: expected MatmulPrecision::highest, MatmulPrecision::medium or "
+        "MatmulPrecision::int8, got value " +
         to_string(static_cast<int>(o.matmul_precision)));
   }
 }

@@ -643,7 +643,7 @@ inline void DecodeImpl(DecodePlan& plan) {
   // values are its key rows), in chunks of 32 (cpu/bf16_dot-inl.h).
   DotPlan dot;
   std::vector<std::uint16_t> q16;
-  if (kBf16Dot && plan.params.matmul_precision == MatmulPrecision::medium &&
+  if (kBf16Dot && plan.params.matmul_precision != MatmulPrecision::highest &&
       detail::has_bf16_dot()) {
     const KvStorage values_storage = plan.cache->values_in_keys ? key_storage : value_storage;
     if (key_storage == KvStorage::bf16 && plan.dk % kBf16Chunk == 0) {

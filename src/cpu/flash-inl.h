@@ -48,6 +48,7 @@ struct TileShape {
   std::int64_t dv_pad = 0;    // Dv rounded up to the panel width
   std::int64_t a_pad = 0;     // additive attention size rounded up to the vector
   bool engine = false;        // the products run on a bf16 engine (EngineOf)
+  bool int8 = false;          // with int8 scores (FlashPlan::int8)
 };
 
 // Keys [begin, begin + n) of a task's KV head as f32: packed, K rows
@@ -64,12 +65,11 @@ struct PackedKeys {
   std::int64_t k_ld = 0;   // floats from one K row to the next
   std::int64_t v_row = 0;  // floats from one V row to the next within a panel
   std::int64_t v_panel_stride = 0;
-  // On a bf16 engine instead (flash_engine-inl.h): K rows [n][dk2] and V
-  // pairs of keys [n / 2 + 1][dv_pad][2] from `begin`.
-  const std::uint16_t* k16 = nullptr;
-  const std::uint16_t* v16 = nullptr;
+  // On an engine instead: its buffers (EngineBuffers) hold the keys from
+  // `begin` (EngineCacheTask).
+  bool engine = false;
 
-  bool cached() const { return k != nullptr || k16 != nullptr; }
+  bool cached() const { return k != nullptr || engine; }
 };
 
 // Software prefetches of the `rows` K and V rows that the next unit will
@@ -121,13 +121,13 @@ struct Scratch {
         alpha(AllocFloats(t.rows_pad)),
         row_keys(static_cast<std::size_t>(t.rows_pad)),
         panel_keys(static_cast<std::size_t>(t.rows_pad / PanelWidth())) {
-    if (t.engine) eb.emplace(t.rows_pad, t.keys, t.dk, t.dv_pad);
+    if (t.engine) eb.emplace(t.rows_pad, t.keys, t.dk, t.dv_pad, t.int8);
   }
 
   // k and v, allocated on first use (NeedBlockBuffers): a task whose keys
   // are cached or read in place never touches them.
   void NeedBlockBuffers() {
-    if (eb) return eb->NeedBlockBuffers(shape.keys, shape.dv_pad);
+    if (eb) return;  // EngineBlockScores allocates its own
     if (k) return;
     k = AllocFloats(shape.keys * std::max(shape.dk, shape.a_pad));
     v = AllocFloats(shape.keys * std::max(shape.dv_pad, shape.dk));  // also additive K rows
@@ -297,15 +297,8 @@ inline void BlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry
                         std::int64_t cols, const KeySpan* panel_keys, Scratch& sc) {
   const detail::AttentionProblem& p = *plan.problem;
   if (sc.eb) {
-    const std::uint16_t* k_rows = cache.k16 + (j0 - cache.begin) * sc.eb->dk2;
-    if (cache.k16 == nullptr) {  // pack the block (V too, from its first key)
-      k_rows = sc.eb->k.get();
-      PackKeysBf16(plan, g.seq, j0, cols, u.hkv, shape.dv_pad, 0, sc.row.get(), *sc.eb,
-                   sc.eb->k.get(), sc.eb->v.get());
-    }
-    EngineScores(*EngineOf(plan), k_rows, cols, g.rows(), shape.rows_pad,
-                 static_cast<float>(plan.params.scale), *sc.eb, sc.s.get());
-    return;
+    return EngineBlockScores(plan, u, g, shape.rows_pad, cache.engine, cache.begin, j0, cols,
+                             sc.row.get(), *sc.eb, sc.s.get());
   }
   const float* k_rows = KeyRows(plan, u, g, cache, j0, cols, sc);
   if (plan.params.score == Score::additive) {
@@ -335,6 +328,7 @@ inline TileShape ShapeOf(const FlashPlan& plan) {
   t.dv_pad = RoundUp(std::max<std::int64_t>(p.dv, 1), ValueWidth());
   t.a_pad = RoundUp(std::max<std::int64_t>(p.attention_size, 1), lanes);
   t.engine = EngineOf(plan).has_value();
+  t.int8 = t.engine && plan.int8.has_value();
   return t;
 }
 
@@ -581,13 +575,8 @@ inline bool ForwardUnit(const FlashPlan& plan, const Unit& u, const TileShape& s
         o_written = true;
         if (plan.params.dropout.p > 0.0) ApplyDropout(plan, u, g, j0, cols, s, rows_pad);
         if (sc.eb) {
-          // V pairs from the task's cache (from the pair holding key j0) or
-          // packed with the block's keys.
-          const std::int64_t t = j0 - cache.begin;
-          const std::uint16_t* v =
-              cache.v16 != nullptr ? cache.v16 + (t / 2) * 2 * shape.dv_pad : sc.eb->v.get();
-          EngineValues(*EngineOf(plan), s, rows_pad, rows, cols, row_keys, v,
-                       cache.v16 != nullptr ? t % 2 : 0, shape.dv_pad, overwrite, *sc.eb, o);
+          EngineBlockValues(plan, s, rows_pad, rows, cols, row_keys, cache.engine, cache.begin, j0,
+                            overwrite, *sc.eb, o);
           return;
         }
         const ValuePanels v = ValueRows(plan, u, g, shape, cache, j0, cols, sc);
@@ -752,22 +741,9 @@ inline PackedKeys CacheTask(const FlashPlan& plan, const Task& task, const TileS
   const std::int64_t end = std::min(last.end * plan.config.keys, g.seq.nk_rows);
   const std::int64_t n = end - begin;
   if (sc.eb) {
-    EngineBuffers& eb = *sc.eb;
-    const std::int64_t pair_units = n / 2 + 1;
-    const std::int64_t bytes = 2 * (n * eb.dk2 + pair_units * 2 * shape.dv_pad);
-    if (n <= 0 || bytes > plan.config.packed_keys_bytes) return {};
-    if (n > eb.cache_capacity) {
-      eb.k_cache = AllocBf16(n * eb.dk2);
-      eb.v_cache = AllocBf16(pair_units * 2 * shape.dv_pad);
-      eb.cache_capacity = n;
-    }
-    // Pair slots past the last packed key weigh 0 in P V: zeros, not
-    // whatever the buffer held.
-    std::fill_n(eb.v_cache.get(), pair_units * 2 * shape.dv_pad, std::uint16_t{0});
     PackedKeys cache;
     cache.begin = cache.packed = begin;
-    cache.k16 = eb.k_cache.get();
-    cache.v16 = eb.v_cache.get();
+    cache.engine = EngineCacheTask(plan, g.seq, first_unit.hkv, begin, end, sc.row.get(), *sc.eb);
     return cache;
   }
   if (n > 0 && KeysInPlace(plan, task, n)) {
@@ -810,10 +786,7 @@ inline void PackThrough(const FlashPlan& plan, const Unit& u, const TileShape& s
   const BlockSpan span = SpanOf(plan, u, g);
   const std::int64_t calls = 2 * (span.end - span.begin);
   if (end > cache.packed && sc.eb) {
-    const std::int64_t at = cache.packed - cache.begin;
-    PackKeysBf16(plan, g.seq, cache.packed, end - cache.packed, u.hkv, shape.dv_pad, at,
-                 sc.row.get(), *sc.eb, sc.eb->k_cache.get() + at * sc.eb->dk2,
-                 sc.eb->v_cache.get());
+    EnginePackThrough(plan, g.seq, u.hkv, cache.begin, cache.packed, end, sc.row.get(), *sc.eb);
     cache.packed = end;
   } else if (end > cache.packed) {
     const std::int64_t n = end - cache.packed;

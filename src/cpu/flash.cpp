@@ -65,13 +65,19 @@ void exp_row(const float* src, std::int64_t n, float* dst) {
 }
 const char* flash_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
 
+std::optional<engines::Int8Engine> scores_int8_engine(const KernelParams& params,
+                                                      std::optional<engines::Bf16Engine> engine) {
+  if (!engine || params.matmul_precision != MatmulPrecision::int8) return std::nullopt;
+  return engines::int8_engine();
+}
+
 std::optional<engines::Bf16Engine> products_engine(const KernelParams& params, ConstTensorView q,
                                                    ConstTensorView k, ConstTensorView v) {
   if (params.score == Score::additive) return std::nullopt;
   const auto narrow = [](DType t) { return t == DType::f32 || t == DType::f16; };
   const bool bf16 =
       q.dtype() == DType::bf16 && k.dtype() == DType::bf16 && v.dtype() == DType::bf16;
-  const bool medium = params.matmul_precision == MatmulPrecision::medium &&
+  const bool medium = params.matmul_precision != MatmulPrecision::highest &&
                       (q.dtype() == DType::bf16 || narrow(q.dtype())) &&
                       (k.dtype() == DType::bf16 || narrow(k.dtype())) &&
                       (v.dtype() == DType::bf16 || narrow(v.dtype()));

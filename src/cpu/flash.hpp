@@ -9,6 +9,7 @@
 
 #include "core/problem.hpp"
 #include "cpu/engines/bf16_product.hpp"
+#include "cpu/engines/int8_product.hpp"
 #include "cpu/params.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/flex.hpp"
@@ -84,6 +85,9 @@ struct FlashPlan {
   // flash_backward_engine-inl.h, backward), or none: f32 FMAs on the inputs
   // widened to f32 (products_engine chooses).
   std::optional<engines::Bf16Engine> engine;
+  // MatmulPrecision::int8: the forward's Q K^T in int8 on this engine (with
+  // `engine` for P V), or none.
+  std::optional<engines::Int8Engine> int8;
 };
 
 // The engine for a call's products, forward and backward: bf16 q, k and v,
@@ -91,6 +95,11 @@ struct FlashPlan {
 // a dot-product score, where engines::bf16_engine() has one; else none.
 std::optional<engines::Bf16Engine> products_engine(const KernelParams& params, ConstTensorView q,
                                                    ConstTensorView k, ConstTensorView v);
+
+// The engine of a forward's int8 Q K^T: under MatmulPrecision::int8, where
+// the products run on `engine` and engines::int8_engine() has one.
+std::optional<engines::Int8Engine> scores_int8_engine(const KernelParams& params,
+                                                      std::optional<engines::Bf16Engine> engine);
 
 // Builds the plan: units, block classes (evaluating bool masks and mask_mod
 // once, sparse patterns from their parameters), the relative bias table;

@@ -29,8 +29,10 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "cpu/engines/bf16_product.hpp"
+#include "cpu/engines/int8_product.hpp"
 #include "cpu/flash.hpp"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_gemm-inl.h"
@@ -56,31 +58,77 @@ inline std::optional<engines::Bf16Engine> EngineOf(const FlashPlan& plan) {
   return plan.engine;
 }
 
-// One thread's bf16 buffers (the header's layouts), for `keys` keys per
-// block: the block's P rows and, when the task does not cache them, its K
-// rows and V pairs (one pair more: a block may start at an odd key).
+// One thread's engine buffers (the header's layouts), for `keys` keys per
+// block: Q's and the block's P rows, and the keys: the task's cache when it
+// fits the budget (EngineCacheTask), else the block's, packed as it comes.
+// With int8 scores, K is int8 rows with a scale per key, smoothed by the
+// task's mean key, and Q int8 pairs of quads with a scale per row.
 struct EngineBuffers {
-  EngineBuffers(std::int64_t rows_pad, std::int64_t keys, std::int64_t dk, std::int64_t dv_pad)
-      : dk2(RoundUp(std::max<std::int64_t>(dk, 1), 2)),
-        key_pairs(keys / 2 + 1),
+  EngineBuffers(std::int64_t rows_pad, std::int64_t keys_, std::int64_t dk, std::int64_t dv_pad_,
+                bool int8_)
+      : int8(int8_),
+        dk2(RoundUp(std::max<std::int64_t>(dk, 1), 2)),
+        dk4(RoundUp(std::max<std::int64_t>(dk, 1), 4)),
+        dv_pad(dv_pad_),
+        keys(keys_),
+        key_pairs(keys_ / 2 + 1),
         q(AllocBf16(dk2 * rows_pad)),
         p(AllocBf16(rows_pad * 2 * key_pairs)),
-        row16(AllocBf16(std::max(dk2, dv_pad))) {}
-
-  void NeedBlockBuffers(std::int64_t keys, std::int64_t dv_pad) {
-    if (k) return;
-    k = AllocBf16(keys * dk2);
-    v = AllocBf16(key_pairs * 2 * dv_pad);
+        row16(AllocBf16(std::max(dk2, dv_pad_))) {
+    if (!int8) return;
+    q8 = hwy::AllocateAligned<std::int8_t>(static_cast<std::size_t>(dk4 * rows_pad));
+    q_scale = AllocFloats(rows_pad);
+    q_bias = AllocFloats(rows_pad);
+    row8 = hwy::AllocateAligned<std::int8_t>(static_cast<std::size_t>(dk4));
+    mean = AllocFloats(dk);
+    scores = hwy::AllocateAligned<std::int32_t>(static_cast<std::size_t>(keys_ * rows_pad));
   }
 
-  std::int64_t dk2;        // Dk rounded up to even
+  // The block's K and V (when the task does not cache them).
+  void NeedBlockBuffers() {
+    if (v) return;
+    Allocate(keys, v, k, k8, k_scale);
+  }
+  // Room for a task's n keys in the cache.
+  void NeedCache(std::int64_t n) {
+    if (n <= cache_capacity) return;
+    Allocate(n, v_cache, k_cache, k8_cache, k_scale_cache);
+    cache_capacity = n;
+  }
+  // Bytes of n keys' K and V as packed here.
+  std::int64_t Bytes(std::int64_t n) const {
+    return 2 * (n / 2 + 1) * 2 * dv_pad + (int8 ? n * (dk4 + 4) : 2 * n * dk2);
+  }
+
+  bool int8;               // int8 scores (MatmulPrecision::int8)
+  std::int64_t dk2, dk4;   // Dk rounded up to even / to a multiple of 4
+  std::int64_t dv_pad;     // Dv rounded up to the panel width
+  std::int64_t keys;       // keys per block
   std::int64_t key_pairs;  // pairs of a block's keys, with one spare
-  Bf16Buffer q, p, row16, k, v;
-  Bf16Buffer k_cache, v_cache;      // a task's keys (see PackedKeys)
-  std::int64_t cache_capacity = 0;  // keys the caches hold
+  Bf16Buffer q, p, row16;
+  Bf16Buffer k, v, k_cache, v_cache;  // bf16 K rows, V pairs: a block's, a task's
+  hwy::AlignedFreeUniquePtr<std::int8_t[]> q8, k8, k8_cache;  // int8 Q quads, K rows
+  hwy::AlignedFreeUniquePtr<std::int8_t[]> row8;              // one row quantized
+  Floats q_scale, q_bias;         // per query row: scale s_q, and scale <q, mean>
+  Floats k_scale, k_scale_cache;  // per key: s_k (a block's, a task's)
+  Floats mean;                    // the task's mean key [Dk] (int8)
+  hwy::AlignedFreeUniquePtr<std::int32_t[]> scores;  // the int8 product [keys][rows_pad]
+  std::int64_t cache_capacity = 0;                   // keys the caches hold
+
+ private:
+  void Allocate(std::int64_t n, Bf16Buffer& v_pairs, Bf16Buffer& k_rows,
+                hwy::AlignedFreeUniquePtr<std::int8_t[]>& k8_rows, Floats& scales) {
+    v_pairs = AllocBf16((n / 2 + 1) * 2 * dv_pad);
+    if (int8) {
+      k8_rows = hwy::AllocateAligned<std::int8_t>(static_cast<std::size_t>(n * dk4));
+      scales = AllocFloats(n);
+    } else {
+      k_rows = AllocBf16(n * dk2);
+    }
+  }
 };
 
-// Row r of a [B, N, H, D] tensor at (seq.batch, seq.k_begin + j, h) as bf16
+// Row j of a [B, N, H, D] tensor at (seq.batch, seq.k_begin + j, h) as bf16
 // into dst[0, ld): converted through f32 (`row`), rounded once, zero past
 // the tensor's width.
 inline void LoadRowBf16(ConstTensorView t, const detail::SequenceExtent& seq, std::int64_t j,
@@ -97,16 +145,52 @@ inline void LoadRowBf16(ConstTensorView t, const detail::SequenceExtent& seq, st
   std::fill(dst + width, dst + ld, std::uint16_t{0});
 }
 
-// Keys [j0, j0 + n) of KV head h: K rows into k_rows [n][dk2] and V into
-// the pair slots of keys t0 .. t0 + n - 1 of v_pairs (the header's V).
-inline void PackKeysBf16(const FlashPlan& plan, const detail::SequenceExtent& seq, std::int64_t j0,
-                         std::int64_t n, std::int64_t h, std::int64_t dv_pad, std::int64_t t0,
-                         float* HWY_RESTRICT row, EngineBuffers& eb,
-                         std::uint16_t* HWY_RESTRICT k_rows, std::uint16_t* HWY_RESTRICT v_pairs) {
+// Row j of a [B, N, H, D] tensor at (seq.batch, seq.k_begin + j, h) as f32
+// into row[0, width).
+inline const float* KeyRowF32(ConstTensorView t, const detail::SequenceExtent& seq, std::int64_t j,
+                              std::int64_t h, float* HWY_RESTRICT row) {
+  LoadStridedRowF32(At(t, seq.batch, seq.k_begin + j, h), t.dtype(), t.size(3), t.stride(3), row);
+  return row;
+}
+
+// x[0, width) as int8 with one scale: q8 = round(x / s), s = max|x| / 127
+// (0 for a row of zeros). Returns s.
+inline float QuantizeRow(const float* HWY_RESTRICT x, std::int64_t width,
+                         std::int8_t* HWY_RESTRICT q8) {
+  float amax = 0.0f;
+  for (std::int64_t i = 0; i < width; ++i) amax = std::max(amax, std::abs(x[i]));
+  const float s = amax / 127.0f;
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (std::int64_t i = 0; i < width; ++i) {
+    q8[i] = static_cast<std::int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  }
+  return s;
+}
+
+// Keys [j0, j0 + n) of KV head h into key slots t0 .. t0 + n - 1 of the
+// buffers: K as bf16 rows (k_rows [.][dk2]) or, with int8 scores, int8 rows
+// of the key minus the task's mean (k8 [.][dk4]) with their scales; V into
+// the pair slots of v_pairs (the header's V).
+inline void PackKeys(const FlashPlan& plan, const detail::SequenceExtent& seq, std::int64_t j0,
+                     std::int64_t n, std::int64_t h, std::int64_t t0, float* HWY_RESTRICT row,
+                     EngineBuffers& eb, std::uint16_t* HWY_RESTRICT k_rows,
+                     std::int8_t* HWY_RESTRICT k8, float* HWY_RESTRICT k_scale,
+                     std::uint16_t* HWY_RESTRICT v_pairs) {
+  const std::int64_t dk = plan.k.size(3);
+  const std::int64_t dv_pad = eb.dv_pad;
   for (std::int64_t r = 0; r < n; ++r) {
-    LoadRowBf16(plan.k, seq, j0 + r, h, eb.dk2, row, k_rows + r * eb.dk2);
-    LoadRowBf16(plan.v, seq, j0 + r, h, dv_pad, row, eb.row16.get());
     const std::int64_t t = t0 + r;
+    if (eb.int8) {
+      float* x = row;
+      KeyRowF32(plan.k, seq, j0 + r, h, x);
+      for (std::int64_t c = 0; c < dk; ++c) x[c] -= eb.mean[static_cast<std::size_t>(c)];
+      std::int8_t* dst = k8 + t * eb.dk4;
+      k_scale[t] = QuantizeRow(x, dk, dst);
+      std::fill(dst + dk, dst + eb.dk4, std::int8_t{0});
+    } else {
+      LoadRowBf16(plan.k, seq, j0 + r, h, eb.dk2, row, k_rows + t * eb.dk2);
+    }
+    LoadRowBf16(plan.v, seq, j0 + r, h, dv_pad, row, eb.row16.get());
     std::uint16_t* slots = v_pairs + (t / 2) * 2 * dv_pad + t % 2;
     for (std::int64_t c = 0; c < dv_pad; ++c) slots[2 * c] = eb.row16[static_cast<std::size_t>(c)];
     // The last key's partner slot, until its own key is packed there: 0.
@@ -116,52 +200,143 @@ inline void PackKeysBf16(const FlashPlan& plan, const detail::SequenceExtent& se
   }
 }
 
-// The unit's query rows, unscaled, as the scores' B operand (the header's Q).
+// A task's keys [begin, end) of KV head h: with int8 scores, their mean
+// first; then whether they fit the budget, in which case the caches are
+// made ready (zero pairs: slots past the last packed key weigh 0 in P V)
+// for EnginePackThrough.
+inline bool EngineCacheTask(const FlashPlan& plan, const detail::SequenceExtent& seq,
+                            std::int64_t h, std::int64_t begin, std::int64_t end,
+                            float* HWY_RESTRICT row, EngineBuffers& eb) {
+  const std::int64_t n = end - begin;
+  if (eb.int8) {
+    const std::int64_t dk = plan.k.size(3);
+    std::vector<double> sum(static_cast<std::size_t>(dk), 0.0);
+    for (std::int64_t j = begin; j < end; ++j) {
+      const float* x = KeyRowF32(plan.k, seq, j, h, row);
+      for (std::int64_t c = 0; c < dk; ++c) sum[static_cast<std::size_t>(c)] += x[c];
+    }
+    for (std::int64_t c = 0; c < dk; ++c) {
+      eb.mean[static_cast<std::size_t>(c)] =
+          n > 0 ? static_cast<float>(sum[static_cast<std::size_t>(c)] / static_cast<double>(n))
+                : 0.0f;
+    }
+  }
+  if (n <= 0 || eb.Bytes(n) > plan.config.packed_keys_bytes) return false;
+  eb.NeedCache(n);
+  std::fill_n(eb.v_cache.get(), (n / 2 + 1) * 2 * eb.dv_pad, std::uint16_t{0});
+  return true;
+}
+
+// Packs the task's cached keys [from, to) (the cache starting at `begin`).
+inline void EnginePackThrough(const FlashPlan& plan, const detail::SequenceExtent& seq,
+                              std::int64_t h, std::int64_t begin, std::int64_t from,
+                              std::int64_t to, float* HWY_RESTRICT row, EngineBuffers& eb) {
+  PackKeys(plan, seq, from, to - from, h, from - begin, row, eb, eb.k_cache.get(),
+           eb.k8_cache.get(), eb.k_scale_cache.get(), eb.v_cache.get());
+}
+
+// The unit's query rows as the scores' B operand (the header's Q): bf16
+// pairs, unscaled; or with int8 scores, int8 quads of q with a scale per row
+// (times the score scale) and the row's bias scale <q, mean>, which adds
+// back what smoothing K took off each score.
 inline void EnginePrepareQueries(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
                                  std::int64_t rows_pad, float* HWY_RESTRICT row,
                                  EngineBuffers& eb) {
   const detail::AttentionProblem& p = *plan.problem;
-  std::uint16_t* q = eb.q.get();
-  std::fill_n(q, eb.dk2 * rows_pad, std::uint16_t{0});
+  const auto scale = static_cast<float>(plan.params.scale);
+  if (eb.int8) {
+    std::fill_n(eb.q8.get(), eb.dk4 * rows_pad, std::int8_t{0});
+    std::fill_n(eb.q_scale.get(), rows_pad, 0.0f);
+    std::fill_n(eb.q_bias.get(), rows_pad, 0.0f);
+  } else {
+    std::fill_n(eb.q.get(), eb.dk2 * rows_pad, std::uint16_t{0});
+  }
   std::uint16_t* row16 = eb.row16.get();
   for (std::int64_t r = 0; r < g.rows(); ++r) {
     const std::uint8_t* src = At(plan.q, g.seq.batch, g.seq.q_begin + u.i0 + r % g.positions,
                                  u.hkv * g.group + r / g.positions);
     LoadStridedRowF32(src, plan.q.dtype(), p.dq, plan.q.stride(3), row);
-    StoreRowFromF32(row, p.dq, row16, DType::bf16);
+    if (!eb.int8) {
+      StoreRowFromF32(row, p.dq, row16, DType::bf16);
+      for (std::int64_t x = 0; x < p.dq; ++x) {
+        eb.q[static_cast<std::size_t>((x / 2) * 2 * rows_pad + 2 * r + x % 2)] = row16[x];
+      }
+      continue;
+    }
+    double bias = 0.0;
+    for (std::int64_t x = 0; x < p.dq; ++x)
+      bias += double{row[x]} * eb.mean[static_cast<std::size_t>(x)];
+    eb.q_bias[static_cast<std::size_t>(r)] = static_cast<float>(bias * scale);
+    std::int8_t* row8 = eb.row8.get();
+    eb.q_scale[static_cast<std::size_t>(r)] = QuantizeRow(row, p.dq, row8) * scale;
     for (std::int64_t x = 0; x < p.dq; ++x) {
-      q[(x / 2) * 2 * rows_pad + 2 * r + x % 2] = row16[x];
+      eb.q8[static_cast<std::size_t>((x / 4) * 4 * rows_pad + 4 * r + x % 4)] = row8[x];
     }
   }
 }
 
-// S^T[cols][rows_pad] = scale (K Q^T) for the first RoundUp(rows, 16)
-// columns, K rows of the block at k_rows.
-inline void EngineScores(engines::Bf16Engine engine, const std::uint16_t* k_rows, std::int64_t cols,
-                         std::int64_t rows, std::int64_t rows_pad, float scale,
-                         const EngineBuffers& eb, float* HWY_RESTRICT s) {
+// S^T[cols][rows_pad] of keys [j0, j0 + cols) for the first RoundUp(rows,
+// 16) columns: scale (K Q^T) on the bf16 engine, or with int8 scores
+// s_q s_k (K8 Q8) + scale <q, mean> from the int8 product. The keys come
+// from the task's cache (cached, from `begin`) or are packed here (V too).
+inline void EngineBlockScores(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                              std::int64_t rows_pad, bool cached, std::int64_t begin,
+                              std::int64_t j0, std::int64_t cols, float* HWY_RESTRICT row,
+                              EngineBuffers& eb, float* HWY_RESTRICT s) {
+  const std::int64_t rows = g.rows();
   const std::int64_t n = RoundUp(std::max<std::int64_t>(rows, 1), 16);
-  engines::bf16_product(
-      engine, {k_rows, eb.dk2, eb.q.get(), rows_pad, s, rows_pad, cols, n, eb.dk2, false});
+  std::int64_t at = j0 - begin;  // the block's first key slot
+  if (!cached) {
+    eb.NeedBlockBuffers();
+    PackKeys(plan, g.seq, j0, cols, u.hkv, 0, row, eb, eb.k.get(), eb.k8.get(), eb.k_scale.get(),
+             eb.v.get());
+    at = 0;
+  }
   const hn::ScalableTag<float> d;
-  const auto v_scale = hn::Set(d, scale);
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  if (!eb.int8) {
+    const std::uint16_t* k_rows = (cached ? eb.k_cache.get() : eb.k.get()) + at * eb.dk2;
+    engines::bf16_product(
+        *plan.engine, {k_rows, eb.dk2, eb.q.get(), rows_pad, s, rows_pad, cols, n, eb.dk2, false});
+    const auto v_scale = hn::Set(d, static_cast<float>(plan.params.scale));
+    for (std::int64_t c = 0; c < cols; ++c) {
+      for (std::int64_t r = 0; r < n; r += lanes) {
+        float* x = s + c * rows_pad + r;
+        hn::StoreU(hn::Mul(hn::LoadU(d, x), v_scale), d, x);
+      }
+    }
+    return;
+  }
+  const std::int8_t* k8 = (cached ? eb.k8_cache.get() : eb.k8.get()) + at * eb.dk4;
+  const float* k_scale = (cached ? eb.k_scale_cache.get() : eb.k_scale.get()) + at;
+  std::int32_t* i32 = eb.scores.get();
+  engines::int8_product(*plan.int8,
+                        {k8, eb.dk4, eb.q8.get(), rows_pad, i32, rows_pad, cols, n, eb.dk4, false});
+  const hn::RebindToSigned<decltype(d)> di;
   for (std::int64_t c = 0; c < cols; ++c) {
+    const auto ks = hn::Set(d, k_scale[c]);
     for (std::int64_t r = 0; r < n; r += lanes) {
-      float* x = s + c * rows_pad + r;
-      hn::StoreU(hn::Mul(hn::LoadU(d, x), v_scale), d, x);
+      const auto product = hn::ConvertTo(d, hn::LoadU(di, i32 + c * rows_pad + r));
+      const auto factor = hn::Mul(hn::LoadU(d, eb.q_scale.get() + r), ks);
+      hn::StoreU(hn::MulAdd(product, factor, hn::LoadU(d, eb.q_bias.get() + r)), d,
+                 s + c * rows_pad + r);
     }
   }
 }
 
 // O[rows][dv_pad] (+)= P V for the block's P^T[cols][rows_pad] (f32) and
-// V pairs from the pair holding the block's first key, which is key `off`
-// (0 or 1) of that pair; row_keys (when set) limits each row to its keys.
-inline void EngineValues(engines::Bf16Engine engine, const float* HWY_RESTRICT p_t,
-                         std::int64_t rows_pad, std::int64_t rows, std::int64_t cols,
-                         const KeySpan* row_keys, const std::uint16_t* v_pairs, std::int64_t off,
-                         std::int64_t dv_pad, bool overwrite, EngineBuffers& eb,
-                         float* HWY_RESTRICT o) {
+// keys [j0, j0 + cols), V from the task's cache (from `begin`) or the
+// block's pairs: P rows start at the pair holding key j0 (`off` = 1 when it
+// is that pair's second key); row_keys (when set) limits each row to its
+// keys.
+inline void EngineBlockValues(const FlashPlan& plan, const float* HWY_RESTRICT p_t,
+                              std::int64_t rows_pad, std::int64_t rows, std::int64_t cols,
+                              const KeySpan* row_keys, bool cached, std::int64_t begin,
+                              std::int64_t j0, bool overwrite, EngineBuffers& eb,
+                              float* HWY_RESTRICT o) {
+  const std::int64_t t = cached ? j0 - begin : 0;
+  const std::int64_t off = t % 2;
+  const std::uint16_t* v_pairs = (cached ? eb.v_cache.get() : eb.v.get()) + (t / 2) * 2 * eb.dv_pad;
   const std::int64_t depth = RoundUp(off + cols, 2);
   std::uint16_t* p = eb.p.get();
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -172,8 +347,8 @@ inline void EngineValues(engines::Bf16Engine engine, const float* HWY_RESTRICT p
       pr[off + c] = to_bf16(p_t[c * rows_pad + r]).bits;
     }
   }
-  engines::bf16_product(engine,
-                        {p, depth, v_pairs, dv_pad, o, dv_pad, rows, dv_pad, depth, !overwrite});
+  engines::bf16_product(*plan.engine, {p, depth, v_pairs, eb.dv_pad, o, eb.dv_pad, rows, eb.dv_pad,
+                                       depth, !overwrite});
 }
 
 }  // namespace HWY_NAMESPACE

@@ -594,7 +594,7 @@ void fuzz_decode(Input& in, KvCache& cache) {
   }
   if (in.one_in(3)) opt.matmul_precision = qkv::MatmulPrecision::medium;
   if (in.one_in(24)) {
-    opt.matmul_precision = static_cast<qkv::MatmulPrecision>(in.range(2, 255));
+    opt.matmul_precision = static_cast<qkv::MatmulPrecision>(in.range(3, 255));
     must_reject = "out-of-range matmul_precision";
   }
   if (opt.score == qkv::Score::dot && opt.scale.has_value()) must_reject = "dot with a scale";

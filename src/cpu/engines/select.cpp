@@ -52,7 +52,8 @@ const Choice& choice_for(detail::Isa level) {
   return *c;
 }
 
-std::atomic<int> forced{-2};  // -2: none; -1: forced f32; else a Bf16Engine
+std::atomic<int> forced{-2};       // -2: none; -1: forced f32; else a Bf16Engine
+std::atomic<int> forced_int8{-2};  // likewise, an Int8Engine
 
 }  // namespace
 
@@ -68,10 +69,26 @@ std::string bf16_engine_reason() {
   return choice_for(detail::isa_limit()).reason;
 }
 
+std::optional<Int8Engine> int8_engine() {
+  const int f = forced_int8.load(std::memory_order_relaxed);
+  if (f == -1) return std::nullopt;
+  if (f >= 0) return static_cast<Int8Engine>(f);
+  if (detail::family_allowed(detail::Family::amx_int8)) return Int8Engine::amx_int8;
+  if (detail::family_allowed(detail::Family::avx512_vnni)) return Int8Engine::avx512_vnni;
+  return std::nullopt;
+}
+
+void set_int8_engine_for_test(std::optional<Int8Engine> engine) {
+  forced_int8.store(engine ? static_cast<int>(*engine) : -1, std::memory_order_relaxed);
+}
+
 void set_bf16_engine_for_test(std::optional<Bf16Engine> engine) {
   forced.store(engine ? static_cast<int>(*engine) : -1, std::memory_order_relaxed);
 }
 
-void reset_bf16_engine_for_test() { forced.store(-2, std::memory_order_relaxed); }
+void reset_bf16_engine_for_test() {
+  forced.store(-2, std::memory_order_relaxed);
+  forced_int8.store(-2, std::memory_order_relaxed);
+}
 
 }  // namespace qkv::cpu::engines

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cpu/engines/bf16_product.hpp"
+#include "cpu/engines/int8_product.hpp"
 
 namespace qkv::cpu::engines {
 
@@ -27,9 +28,15 @@ std::optional<Bf16Engine> bf16_engine();
 // Why bf16_engine() chose what it did, for `qkv info`.
 std::string bf16_engine_reason();
 
-// Tests: forces the engine (nullopt inside: the f32 FMAs); reset() returns
-// to the CPU's choice.
+// The engine for int8 products (MatmulPrecision::int8's Q K^T), or nullopt:
+// AMX-INT8 where usable (TDPBSSD), else AVX512-VNNI (VPDPBUSD, 3-4x the f32
+// FMA's operations on Sapphire Rapids and Zen 4), else none.
+std::optional<Int8Engine> int8_engine();
+
+// Tests: force the engines (nullopt inside: none, the f32 FMAs); reset()
+// returns to the CPU's choice.
 void set_bf16_engine_for_test(std::optional<Bf16Engine> engine);
-void reset_bf16_engine_for_test();
+void set_int8_engine_for_test(std::optional<Int8Engine> engine);
+void reset_bf16_engine_for_test();  // both engines
 
 }  // namespace qkv::cpu::engines
