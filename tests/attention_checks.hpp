@@ -92,6 +92,11 @@ inline Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std:
 // Runs the fast backend and checks it against the reference with `rule`
 // (`mod` describes opt.score_mod for the worst-case bound; without it a
 // score_mod skips the bound); returns the fast result.
+// t's values rounded to bf16, kept in t's dtype.
+inline Tensor as_bf16_values(ConstTensorView t) {
+  return qkv::to_dtype(qkv::to_dtype(t, DType::bf16), t.dtype());
+}
+
 inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTensorView k,
                                                      ConstTensorView v, AttentionOptions opt,
                                                      const std::string& label,
@@ -124,7 +129,17 @@ inline qkv::AttentionResult expect_matches_reference(ConstTensorView q, ConstTen
   const qkv::detail::AttentionProblem problem = qkv::detail::check_attention_inputs(q, k, v, opt);
   Tensor naive_out(q.dtype(), fast.out.view().size_span());
   Tensor naive_lse(DType::f32, fast.lse.view().size_span());
-  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, q.dtype());
+  // The naive computation in the precision of the products: where the
+  // call's f32 or f16 inputs are rounded to bf16 for an engine, on the
+  // rounded inputs in bf16 (torch's bf16 math path on them).
+  const bool rounds = engine_terms(q, k, v, opt).inputs > 0;
+  const DType precision = rounds ? DType::bf16 : q.dtype();
+  const Tensor qr = rounds ? as_bf16_values(q) : Tensor(),
+               kr = rounds ? as_bf16_values(k) : Tensor(),
+               vr = rounds ? as_bf16_values(v) : Tensor();
+  qkv::reference::naive_attention(problem, rounds ? qr.view() : q, rounds ? kr.view() : k,
+                                  rounds ? vr.view() : v, {naive_out, naive_lse, {}}, ref_opt,
+                                  precision);
 
   // Score::additive: the fused kernel's tanh is Highway's vector Tanh, within
   // 4 ULP (8u of |tanh| <= 1), where the naive computation calls std::tanh;
@@ -301,7 +316,18 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
   // The naive computation in the input precision, from its own forward.
   Tensor naive_out(dtype, fwd.out.view().size_span());
   Tensor naive_lse(DType::f32, fwd.lse.view().size_span());
-  qkv::reference::naive_attention(problem, q, k, v, {naive_out, naive_lse, {}}, ref_opt, dtype);
+  // In the precision of the products: where the call's f32 or f16 inputs
+  // are rounded to bf16 for an engine, on the rounded inputs in bf16.
+  const bool rounds = engine_terms(q, k, v, opt).inputs > 0;
+  const DType precision = rounds ? DType::bf16 : dtype;
+  const Tensor qr = rounds ? as_bf16_values(q) : Tensor(),
+               kr = rounds ? as_bf16_values(k) : Tensor(),
+               vr = rounds ? as_bf16_values(v) : Tensor(),
+               dr = rounds ? as_bf16_values(dout) : Tensor();
+  const ConstTensorView qn = rounds ? qr.view() : q, kn = rounds ? kr.view() : k,
+                        vn = rounds ? vr.view() : v, dn = rounds ? dr.view() : dout.view();
+  qkv::reference::naive_attention(problem, qn, kn, vn, {naive_out, naive_lse, {}}, ref_opt,
+                                  precision);
   qkv::AttentionGradients naive;
   naive.dq = Tensor(dtype, fast.dq.view().size_span());
   naive.dk = Tensor(dtype, fast.dk.view().size_span());
@@ -310,8 +336,9 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     naive.d_relative_bias = Tensor(DType::f32, fast.d_relative_bias.view().size_span());
   }
   qkv::reference::naive_attention_backward(
-      problem, q, k, v, naive_out, dout, naive_lse,
-      {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt, dtype);
+      problem, qn, kn, vn, naive_out, dn, naive_lse,
+      {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt,
+      precision);
 
   // The cancellation floor (see the top of this file): two f32 dot products
   // of length Dv, and D_i formed from `out` as the forward rounded it to the

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu/flash.hpp"
 #include "qkv/attention.hpp"
 #include "test_util.hpp"
 
@@ -33,6 +34,7 @@ struct ScoreModBound {
 };
 
 inline constexpr double kU32 = 0x1p-24;
+inline constexpr double kU16 = 0x1p-9;       // bf16's unit roundoff
 inline constexpr double kTiny32 = 0x1p-150;  // underflow of one f32 operation
 
 // Half the smallest subnormal of a format: what rounding a result to it may
@@ -68,6 +70,35 @@ inline double max_abs_finite(ConstTensorView t) {
     if (std::isfinite(x)) m = std::max(m, std::fabs(x));
   });
   return m;
+}
+
+// Whether the fused kernels compute a call's products on a bf16 engine
+// (cpu::products_engine, docs/matrix-engines.md), and then the relative
+// rounding of its inputs to bf16 (0 for bf16 inputs, which are exact).
+// On an engine the bounds add: the inputs' rounding; the weights P (and the
+// backward's dS) rounded to bf16 before their products (kU16 relative);
+// bf16 subnormals read as zero and subnormal sums flushed (2^-126 absolute
+// per operation). MatmulPrecision::int8 has no worst-case bound here (its
+// scores' quantization is judged statistically): infinite.
+struct EngineTerms {
+  bool on = false;      // the products run on a bf16 engine
+  bool int8 = false;    // and Q K^T in int8
+  double inputs = 0.0;  // relative rounding of q, k, v, dout to bf16
+};
+
+inline EngineTerms engine_terms(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                                const AttentionOptions& o) {
+  qkv::cpu::KernelParams params;
+  params.score = o.score;
+  params.matmul_precision = o.matmul_precision;
+  EngineTerms t;
+  const auto engine = qkv::cpu::products_engine(params, q, k, v);
+  t.on = engine.has_value();
+  t.int8 = t.on && qkv::cpu::scores_int8_engine(params, engine).has_value();
+  const bool exact =
+      q.dtype() == DType::bf16 && k.dtype() == DType::bf16 && v.dtype() == DType::bf16;
+  t.inputs = t.on && !exact ? kU16 : 0.0;
+  return t;
 }
 
 struct ScoreErrorBound {
@@ -110,6 +141,13 @@ inline ScoreErrorBound score_error_bound(ConstTensorView q, ConstTensorView k,
     const double d = static_cast<double>(q.size(3));
     const double terms = scale * d * max_abs(q) * max_abs(k);
     b.error = gamma_n(d + 2) * terms + kTiny32 * d * (1 + max_abs(k) + max_abs(q) * max_abs(k));
+    const EngineTerms engine = engine_terms(q, k, k, o);  // v's dtype is k's (validated)
+    if (engine.on) {
+      // q and k rounded to bf16; DAZ of either operand and FTZ of each sum.
+      b.error += (2 * engine.inputs + engine.inputs * engine.inputs) * terms +
+                 scale * d * 0x1p-125 * (1 + max_abs(q) + max_abs(k));
+    }
+    if (engine.int8) b.error = std::numeric_limits<double>::infinity();
     b.magnitude = terms;
   }
   b.before_cap = b.error;
@@ -183,8 +221,13 @@ inline ForwardErrorBound forward_error_bound(ConstTensorView q, ConstTensorView 
   const double sums = gamma_n(nk + blocks + 2);
   const double apart = quotient(sums) + 2 * u + (o.dropout_p > 0 ? 2 * u : 0.0) + nk * 0x1p-125;
   // Underflow in the products P V, the sums, the rescales and the division.
-  const double tiny = kTiny32 * (2 * nk + 2 * blocks + 4);
-  const double before_store = ((1 + relative) * (1 + apart) - 1) * vmax + tiny;
+  double tiny = kTiny32 * (2 * nk + 2 * blocks + 4);
+  double rounded = 0.0;  // P and v rounded to bf16 on an engine
+  if (const EngineTerms engine = engine_terms(q, k, v, o); engine.on) {
+    rounded = (1 + kU16) * (1 + engine.inputs) - 1;
+    tiny += nk * 0x1p-125 * (1 + vmax);
+  }
+  const double before_store = ((1 + relative) * (1 + apart) * (1 + rounded) - 1) * vmax + tiny;
   ForwardErrorBound b;
   b.out = or_infinite(before_store + unit_roundoff(q.dtype()) * (max_out + before_store) +
                       underflow(q.dtype()));
@@ -242,14 +285,23 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
   // dP = <dout_i, v_j>, times dropout's factor; D = <dout_i, out_i> from the
   // given out; g = dP - D.
   const double dp_max = dv * dout_max * max_abs(v);
-  const double dp_error = keep * (gamma_n(dv) * dp_max + u * dp_max + 2 * dv * tiny);
+  // On an engine: dout and v rounded to bf16 (dP), P and dS rounded to bf16
+  // before their products, q and k rounded too (dK, dQ), and flushes.
+  const EngineTerms engine = engine_terms(q, k, v, o);
+  const double in = (1 + engine.inputs) * (1 + engine.inputs) - 1;
+  const double flush = engine.on ? 0x1p-125 : 0.0;
+  const double dp_error = keep * (gamma_n(dv) * dp_max + u * dp_max + 2 * dv * tiny + in * dp_max +
+                                  dv * flush * (1 + dp_max));
   const double d_error =
       dv * dout_max * m.out_error + gamma_n(dv) * dv * dout_max * m.max_out + 2 * dv * tiny;
   const double g_max = keep * dp_max + dv * dout_max * m.max_out;
   const double g_error = dp_error + d_error + u * g_max + tiny;
-  // dS_ij = P_ij g_ij: error at most P_ij e_s + phi_s.
-  double e_s = eta * g_max + (1 + eta) * (g_error + u * g_max);
-  double phi_s = phi * (g_max + g_error + u * g_max) + tiny;
+  // dS_ij = P_ij g_ij: error at most P_ij e_s + phi_s (on an engine, dS
+  // rounded to bf16 too: kU16 of |dS| more, subnormals flushed).
+  const double ds_round = engine.on ? kU16 : 0.0;
+  double e_s = eta * g_max + (1 + eta) * (g_error + u * g_max) +
+               ds_round * (1 + eta) * (g_max + g_error + u * g_max);
+  double phi_s = phi * (g_max + g_error + u * g_max) * (1 + ds_round) + tiny + flush;
   const double e_bias = e_s, phi_bias = phi_s;  // the bias gradient takes dS before the cap
   if (o.softcap > 0.0) {
     // (1 - t^2) with t = Tanh(raw fl(1/c)) off by e_t; |1 - t^2| <= 1.
@@ -265,18 +317,22 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
     return or_infinite(err + unit_roundoff(out) * (exact_max + err) + underflow(out));
   };
   const auto gradient = [&](double x_max, double count, double mass, double sum) {
-    const double raw = x_max * (mass * (e_s + sum * (1 + eta) * g_max) + count * phi_s * (1 + sum) +
-                                count * phi * g_max * sum) +
-                       2 * count * tiny;
+    // x (q or k) rounded to bf16 on an engine: its size grows by `inputs`.
+    const double x_err = engine.inputs * x_max;
+    const double raw = (x_max + x_err) * (mass * (e_s + sum * (1 + eta) * g_max) +
+                                          count * phi_s * (1 + sum) + count * phi * g_max * sum) +
+                       x_err * mass * (1 + eta) * g_max + 2 * count * tiny + count * flush;
     const double size = x_max * (mass * (1 + eta) * g_max + count * phi_s) + raw;
     return scale * raw + (u * scale + tiny) * size + tiny;
   };
   BackwardErrorBound b;
   const double sum_q = gamma_n(rows + 2);
+  // On an engine P is rounded to bf16 before dV += P^T dout, and dout too.
+  const double p_round = engine.on ? (1 + kU16) * (1 + engine.inputs) - 1 : 0.0;
   b.dv = finish(keep * dout_max *
-                        (((1 + eta) * (1 + u) * (1 + sum_q) - 1) * m.key_mass +
-                         rows * phi * (1 + u) * (1 + sum_q)) +
-                    2 * rows * tiny,
+                        (((1 + eta) * (1 + u) * (1 + sum_q) * (1 + p_round) - 1) * m.key_mass +
+                         rows * phi * (1 + u) * (1 + sum_q) * (1 + p_round)) +
+                    2 * rows * tiny + rows * flush,
                 m.max_dv, dout.dtype());
   b.dq = finish(gradient(k_max, nk, 1.0, gamma_n(nk + 6)), m.max_dq, q.dtype());
   b.dk = finish(gradient(q_max, rows, m.key_mass, sum_q), m.max_dk, k.dtype());

@@ -12,6 +12,7 @@ namespace qkv::internal {
 const char* kernel_target() { return cpu::flash_target(); }
 
 CpuReport cpu_report(bool probe, double seconds) {
+  detail::isa_limit();  // refuses a QKV_ISA it does not know, whatever else is set
   CpuReport r;
   r.vendor = detail::cpu_vendor();
   r.model = detail::cpu_model_name();

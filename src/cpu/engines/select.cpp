@@ -2,10 +2,12 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 #include "core/isa.hpp"
 #include "cpu/engines/probe.hpp"
+#include "qkv/error.hpp"
 
 namespace qkv::cpu::engines {
 namespace {
@@ -57,15 +59,41 @@ std::atomic<int> forced_int8{-2};  // likewise, an Int8Engine
 
 }  // namespace
 
+// QKV_EMULATE_ENGINES: the engines' emulations in place of the CPU's
+// choice, so that the whole test suite runs the engine paths on any CPU as
+// a CPU with them would (slowly: the emulations are plain loops).
+//   avx512_bf16  the AVX512-BF16 emulation for bf16 products (as Zen 4)
+//   amx          the AMX-BF16 emulation and the int8 one (as Sapphire Rapids)
+// Unset or empty: the CPU's choice. Read once; any other value is refused.
+struct Emulation {
+  std::optional<Bf16Engine> bf16;
+  std::optional<Int8Engine> int8;
+  bool set = false;
+};
+
+const Emulation& emulation() {
+  static const Emulation e = [] {
+    const char* text = std::getenv("QKV_EMULATE_ENGINES");
+    if (text == nullptr || *text == '\0') return Emulation{};
+    const std::string s = text;
+    if (s == "avx512_bf16") return Emulation{Bf16Engine::emulate_avx512_bf16, std::nullopt, true};
+    if (s == "amx") return Emulation{Bf16Engine::emulate_amx_bf16, Int8Engine::emulate, true};
+    throw Error("QKV_EMULATE_ENGINES: expected 'avx512_bf16' or 'amx' (or unset), got '" + s + "'");
+  }();
+  return e;
+}
+
 std::optional<Bf16Engine> bf16_engine() {
   const int f = forced.load(std::memory_order_relaxed);
   if (f == -1) return std::nullopt;
   if (f >= 0) return static_cast<Bf16Engine>(f);
+  if (emulation().set) return emulation().bf16;
   return choice_for(detail::isa_limit()).engine;
 }
 
 std::string bf16_engine_reason() {
   if (forced.load(std::memory_order_relaxed) != -2) return "set by a test";
+  if (emulation().set) return "QKV_EMULATE_ENGINES: the emulation";
   return choice_for(detail::isa_limit()).reason;
 }
 
@@ -73,6 +101,7 @@ std::optional<Int8Engine> int8_engine() {
   const int f = forced_int8.load(std::memory_order_relaxed);
   if (f == -1) return std::nullopt;
   if (f >= 0) return static_cast<Int8Engine>(f);
+  if (emulation().set) return emulation().int8;
   if (detail::family_allowed(detail::Family::amx_int8)) return Int8Engine::amx_int8;
   if (detail::family_allowed(detail::Family::avx512_vnni)) return Int8Engine::avx512_vnni;
   return std::nullopt;
