@@ -184,7 +184,7 @@ struct ShardOffsets {
   X(ShardOffsets, shard, {}, "the call as a piece of a larger one; all 0 = whole")                \
   X(Backend, backend, Backend::automatic, "which implementation runs")                            \
   X(MatmulPrecision, matmul_precision, MatmulPrecision::highest,                                  \
-    "medium allows bf16 products (see the enum)")                                                 \
+    "medium allows bf16 products, int8 also int8 Q K^T (see the enum)")                           \
   X(bool, return_lse, false, "allocating overload: also return lse")                              \
   X(bool, return_probs, false, "allocating overload: also return probs (B*Hq*Nq*Nk values)")
 
