@@ -168,13 +168,7 @@ inline void EngineGradients(engines::Bf16Engine engine, EngineBackwardBuffers& e
   const std::int64_t lead = off % 2;
   const std::int64_t depth = RoundUp(lead + cols, 2);
   std::uint16_t* ds = eb.ds.get();
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::uint16_t* row = ds + r * depth;
-    row[0] = 0;
-    row[depth - 1] = 0;
-    for (std::int64_t c = 0; c < cols; ++c)
-      row[lead + c] = eb.ds_t[static_cast<std::size_t>(c * rows_pad + r)];
-  }
+  TransposeToBf16Rows(ds_t, rows_pad, rows, cols, lead, depth, nullptr, ds);
   engines::bf16_product(engine, {ds, depth, eb.k_pairs.get() + (off / 2) * 2 * dk_pad, dk_pad, dq,
                                  dk_pad, rows, dk_pad, depth, false});
 }

@@ -324,6 +324,60 @@ inline void EngineBlockScores(const FlashPlan& plan, const Unit& u, const UnitGe
   }
 }
 
+// dst[r][off + c] = bf16(src_t[c][r]) for rows r < rows and keys c < cols
+// (src_t [cols][rows_pad], f32), zero at [0, off) and [off + cols, depth)
+// and, with row_keys, outside each row's keys: a block's P^T (or dS^T)
+// turned into A rows of pairs of keys. A vector of keys of a vector of rows
+// at a time, transposed in registers, rounded to nearest even.
+inline void TransposeToBf16Rows(const float* HWY_RESTRICT src_t, std::int64_t rows_pad,
+                                std::int64_t rows, std::int64_t cols, std::int64_t off,
+                                std::int64_t depth, const KeySpan* row_keys,
+                                std::uint16_t* HWY_RESTRICT dst) {
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<std::uint16_t, decltype(d)> d16;
+  using V = hn::Vec<decltype(d)>;
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(decltype(d)()));
+  HWY_ALIGN std::uint16_t tail[kLanes];
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const std::int64_t n = std::min(kLanes, rows - r0);
+    for (std::int64_t j = 0; j < n; ++j) {
+      std::uint16_t* row = dst + (r0 + j) * depth;
+      std::fill(row, row + off, std::uint16_t{0});
+      std::fill(row + off + cols, row + depth, std::uint16_t{0});
+    }
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+      V block[kLanes];
+      for (std::int64_t i = 0; i < kLanes; ++i) {
+        block[i] = c0 + i < cols ? hn::LoadU(d, src_t + (c0 + i) * rows_pad + r0) : hn::Zero(d);
+      }
+      TransposeSquare(d, block);
+      const std::int64_t width = std::min(kLanes, cols - c0);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const auto bits = hn::DemoteTo(d16, hn::BitCast(di, Bf16Bits(d, block[j])));
+        std::uint16_t* out = dst + (r0 + j) * depth + off + c0;
+        if (width == kLanes) {
+          hn::StoreU(bits, d16, out);
+        } else {
+          hn::Store(bits, d16, tail);
+          std::copy_n(tail, width, out);
+        }
+      }
+    }
+    if (row_keys == nullptr) continue;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const KeySpan span = row_keys[r0 + j];
+      std::uint16_t* row = dst + (r0 + j) * depth + off;
+      if (span.begin >= span.end) {
+        std::fill(row, row + cols, std::uint16_t{0});
+        continue;
+      }
+      std::fill(row, row + span.begin, std::uint16_t{0});
+      std::fill(row + span.end, row + cols, std::uint16_t{0});
+    }
+  }
+}
+
 // O[rows][dv_pad] (+)= P V for the block's P^T[cols][rows_pad] (f32) and
 // keys [j0, j0 + cols), V from the task's cache (from `begin`) or the
 // block's pairs: P rows start at the pair holding key j0 (`off` = 1 when it
@@ -339,14 +393,7 @@ inline void EngineBlockValues(const FlashPlan& plan, const float* HWY_RESTRICT p
   const std::uint16_t* v_pairs = (cached ? eb.v_cache.get() : eb.v.get()) + (t / 2) * 2 * eb.dv_pad;
   const std::int64_t depth = RoundUp(off + cols, 2);
   std::uint16_t* p = eb.p.get();
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::uint16_t* pr = p + r * depth;
-    std::fill_n(pr, depth, std::uint16_t{0});
-    const KeySpan span = row_keys != nullptr ? row_keys[r] : KeySpan{0, cols};
-    for (std::int64_t c = span.begin; c < span.end; ++c) {
-      pr[off + c] = to_bf16(p_t[c * rows_pad + r]).bits;
-    }
-  }
+  TransposeToBf16Rows(p_t, rows_pad, rows, cols, off, depth, row_keys, p);
   engines::bf16_product(*plan.engine, {p, depth, v_pairs, eb.dv_pad, o, eb.dv_pad, rows, eb.dv_pad,
                                        depth, !overwrite});
 }
