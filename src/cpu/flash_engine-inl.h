@@ -14,6 +14,9 @@
 //   P  A of P V: rows [row][2 pairs], the block's weights from the pair
 //      holding its first key, zero outside the block and outside each
 //      row's visible keys.
+// With int8 scores (MatmulPrecision::int8, FlashPlan::int8) K is instead
+// int8 rows of the key minus the task's mean key with a scale per key, and
+// Q int8 quads with a scale per row (EngineBuffers).
 // A task packs K and V once for all its units (and so for every query head
 // of a KV group, whose rows a unit holds together) when they fit the
 // per-thread budget, else each block as it comes. A block that starts at an
