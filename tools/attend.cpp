@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli_error.hpp"
+#include "json_text.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
@@ -133,23 +134,6 @@ std::string number(double x) {
   std::ostringstream s;
   s << x;
   return s.str();
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
 }
 
 // The library names an option by its field (options.dropout_p), the

@@ -4,23 +4,11 @@
 #include <cstdlib>
 #include <string>
 
+#include "json_text.hpp"
 #include "peak_probe.hpp"
 #include "qkv/internal/kernels.hpp"
 
 namespace qkv::tools {
-namespace {
-
-// s with JSON's escapes for quotes and backslashes.
-std::string quoted(const std::string& s) {
-  std::string q = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') q += '\\';
-    q += c;
-  }
-  return q + "\"";
-}
-
-}  // namespace
 
 int run_info(std::ostream& out, const InfoOptions& options) {
   const internal::CpuReport r = internal::cpu_report(options.probe);
@@ -29,22 +17,22 @@ int run_info(std::ostream& out, const InfoOptions& options) {
   const std::string limit = isa != nullptr && *isa != '\0' ? isa : "(unset)";
   char text[256];
   if (options.json) {
-    out << "{\"vendor\":" << quoted(r.vendor) << ",\"model\":" << quoted(r.model)
-        << ",\"target\":" << quoted(r.target) << ",\"qkv_isa\":" << quoted(limit);
+    out << "{\"vendor\":" << json_string(r.vendor) << ",\"model\":" << json_string(r.model)
+        << ",\"target\":" << json_string(r.target) << ",\"qkv_isa\":" << json_string(limit);
     std::snprintf(text, sizeof text, ",\"fma_gflops\":%.6g,\"fma512_gflops\":%.6g", fma.gflops,
                   r.fma_gflops);
     out << text << ",\"families\":[";
     for (std::size_t i = 0; i < r.families.size(); ++i) {
       const internal::IsaFamily& f = r.families[i];
       std::snprintf(text, sizeof text, ",\"probe_gops\":%.6g", f.probe_gops);
-      out << (i > 0 ? "," : "") << "{\"name\":" << quoted(f.name)
+      out << (i > 0 ? "," : "") << "{\"name\":" << json_string(f.name)
           << ",\"listed\":" << (f.listed ? "true" : "false")
           << ",\"usable\":" << (f.usable ? "true" : "false")
-          << ",\"allowed\":" << (f.allowed ? "true" : "false") << ",\"reason\":" << quoted(f.reason)
-          << text << "}";
+          << ",\"allowed\":" << (f.allowed ? "true" : "false")
+          << ",\"reason\":" << json_string(f.reason) << text << "}";
     }
-    out << "],\"bf16_engine\":" << quoted(r.bf16_engine)
-        << ",\"bf16_engine_reason\":" << quoted(r.bf16_engine_reason) << "}\n";
+    out << "],\"bf16_engine\":" << json_string(r.bf16_engine)
+        << ",\"bf16_engine_reason\":" << json_string(r.bf16_engine_reason) << "}\n";
     return 0;
   }
   out << "cpu:          " << r.vendor << ", " << r.model << "\n";

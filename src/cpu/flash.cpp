@@ -74,13 +74,13 @@ std::optional<engines::Int8Engine> scores_int8_engine(const KernelParams& params
 std::optional<engines::Bf16Engine> products_engine(const KernelParams& params, ConstTensorView q,
                                                    ConstTensorView k, ConstTensorView v) {
   if (params.score == Score::additive) return std::nullopt;
-  const auto narrow = [](DType t) { return t == DType::f32 || t == DType::f16; };
-  const bool bf16 =
-      q.dtype() == DType::bf16 && k.dtype() == DType::bf16 && v.dtype() == DType::bf16;
-  const bool medium = params.matmul_precision != MatmulPrecision::highest &&
-                      (q.dtype() == DType::bf16 || narrow(q.dtype())) &&
-                      (k.dtype() == DType::bf16 || narrow(k.dtype())) &&
-                      (v.dtype() == DType::bf16 || narrow(v.dtype()));
+  const auto all = [&](auto&& pred) {
+    return pred(q.dtype()) && pred(k.dtype()) && pred(v.dtype());
+  };
+  const bool bf16 = all([](DType t) { return t == DType::bf16; });
+  const bool medium = params.matmul_precision != MatmulPrecision::highest && all([](DType t) {
+                        return t == DType::bf16 || t == DType::f32 || t == DType::f16;
+                      });
   if (!bf16 && !medium) return std::nullopt;
   return engines::bf16_engine();
 }

@@ -147,9 +147,13 @@ inline void PrepareTile(const BackwardPlan& bp, const Unit& u, const UnitGeometr
   const detail::AttentionProblem& p = *plan.problem;
   const hn::ScalableTag<float> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(plan.params.scale), dst.q_t, dst.q_cols,
-           b.pack_row.get());
-  PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, dst.do_t, dst.do_cols, b.pack_row.get());
+  // On an engine the products read EnginePrepareTile's bf16 operands
+  // instead: only the row terms below are needed here.
+  if (!b.eb) {
+    PackTile(plan.q, u, g, shape.rows_pad, static_cast<float>(plan.params.scale), dst.q_t,
+             dst.q_cols, b.pack_row.get());
+    PackTile(bp.args.dout, u, g, shape.rows_pad, 1.0f, dst.do_t, dst.do_cols, b.pack_row.get());
+  }
   float* lse = dst.lse;
   float* dsum = dst.d;
   std::fill_n(lse, shape.rows_pad, kNegInf);

@@ -59,7 +59,6 @@ void emulate(const Bf16Product& p) {
 
 #if QKV_ENGINES_X86
 #define QKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define QKV_AMX_BF16 __attribute__((target("amx-tile,amx-bf16")))
 
 // C rows [i0, i0 + R) and vectors [j0, j0 + 16 kVecs) of the product:
 // kVecs x R accumulators, A's pair broadcast against kVecs vectors of B.
@@ -128,85 +127,7 @@ QKV_AVX512_BF16 void product_avx512_bf16(const Bf16Product& p) {
   }
 }
 
-// Tiles: C in tmm0 and tmm1 (16 x 16 f32 each, two column blocks), A in
-// tmm2 (16 rows x 32 bf16), B in tmm3 and tmm4 (16 pairs x 16 columns).
-// Full tiles load in place; a block of fewer than 16 rows or a depth chunk
-// of fewer than 32 goes through zero-padded staging buffers.
-QKV_AMX_BF16 void product_amx_bf16(const Bf16Product& p) {
-  TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-  alignas(64) float c_stage[2][16][16];
-  alignas(64) std::uint16_t a_stage[16][32];
-  alignas(64) std::uint16_t b_stage[2][16][32];
-  const std::int64_t b_pair_row = 2 * p.ldb;  // bf16 values from one pair row to the next
-  for (std::int64_t i0 = 0; i0 < p.m; i0 += 16) {
-    const std::int64_t rows = std::min<std::int64_t>(16, p.m - i0);
-    for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
-      const int tiles = j0 + 32 <= p.n ? 2 : 1;
-      float* c = p.c + i0 * p.ldc + j0;
-      if (!p.accumulate) {
-        _tile_zero(0);
-        _tile_zero(1);
-      } else if (rows == 16) {
-        _tile_loadd(0, c, p.ldc * 4);
-        if (tiles == 2) _tile_loadd(1, c + 16, p.ldc * 4);
-      } else {
-        std::memset(c_stage, 0, sizeof c_stage);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int t = 0; t < tiles; ++t) std::memcpy(c_stage[t][r], c + r * p.ldc + 16 * t, 64);
-        }
-        _tile_loadd(0, c_stage[0], 64);
-        _tile_loadd(1, c_stage[1], 64);
-      }
-      for (std::int64_t x0 = 0; x0 < p.k; x0 += 32) {
-        const std::int64_t depth = std::min<std::int64_t>(32, p.k - x0);
-        const std::uint16_t* a = p.a + i0 * p.lda + x0;
-        const std::uint16_t* b = p.b + (x0 / 2) * b_pair_row + 2 * j0;
-        if (rows == 16 && depth == 32) {
-          _tile_loadd(2, a, p.lda * 2);
-        } else {
-          std::memset(a_stage, 0, sizeof a_stage);
-          for (std::int64_t r = 0; r < rows; ++r) {
-            std::memcpy(a_stage[r], a + r * p.lda, static_cast<std::size_t>(depth) * 2);
-          }
-          _tile_loadd(2, a_stage, 64);
-        }
-        if (depth == 32) {
-          _tile_loadd(3, b, b_pair_row * 2);
-          if (tiles == 2) _tile_loadd(4, b + 32, b_pair_row * 2);
-        } else {
-          std::memset(b_stage, 0, sizeof b_stage);
-          for (std::int64_t q = 0; q < depth / 2; ++q) {
-            for (int t = 0; t < tiles; ++t) {
-              std::memcpy(b_stage[t][q], b + q * b_pair_row + 32 * t, 64);
-            }
-          }
-          _tile_loadd(3, b_stage[0], 64);
-          _tile_loadd(4, b_stage[1], 64);
-        }
-        _tile_dpbf16ps(0, 2, 3);
-        if (tiles == 2) _tile_dpbf16ps(1, 2, 4);
-      }
-      if (rows == 16) {
-        _tile_stored(0, c, p.ldc * 4);
-        if (tiles == 2) _tile_stored(1, c + 16, p.ldc * 4);
-      } else {
-        _tile_stored(0, c_stage[0], 64);
-        _tile_stored(1, c_stage[1], 64);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int t = 0; t < tiles; ++t) std::memcpy(c + r * p.ldc + 16 * t, c_stage[t][r], 64);
-        }
-      }
-    }
-  }
-  _tile_release();
-}
 #undef QKV_AVX512_BF16
-#undef QKV_AMX_BF16
 #endif
 
 }  // namespace
@@ -256,7 +177,9 @@ void bf16_product(Bf16Engine e, const Bf16Product& p) {
     case Bf16Engine::avx512_bf16:
       return product_avx512_bf16(p);
     case Bf16Engine::amx_bf16:
-      return product_amx_bf16(p);
+      return amx_product(AmxOp::bf16, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda * 2,
+                                       reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c,
+                                       p.ldc, p.m, p.n, p.k * 2, p.accumulate});
 #else
     case Bf16Engine::avx512_bf16:
     case Bf16Engine::amx_bf16:

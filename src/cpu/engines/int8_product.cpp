@@ -103,81 +103,6 @@ QKV_VNNI void product_vnni(const Int8Product& p) {
   }
 }
 
-// As product_amx_bf16 (bf16_product.cpp), with int8 quads: an A tile is 16
-// rows x 64 bytes, a B tile 16 quad rows x 16 columns.
-__attribute__((target("amx-tile,amx-int8"))) void product_amx_int8(const Int8Product& p) {
-  TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-  alignas(64) std::int32_t c_stage[2][16][16];
-  alignas(64) std::int8_t a_stage[16][64];
-  alignas(64) std::int8_t b_stage[2][16][64];
-  const std::int64_t b_quad_row = 4 * p.ldb;
-  for (std::int64_t i0 = 0; i0 < p.m; i0 += 16) {
-    const std::int64_t rows = std::min<std::int64_t>(16, p.m - i0);
-    for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
-      const int tiles = j0 + 32 <= p.n ? 2 : 1;
-      std::int32_t* c = p.c + i0 * p.ldc + j0;
-      if (!p.accumulate) {
-        _tile_zero(0);
-        _tile_zero(1);
-      } else if (rows == 16) {
-        _tile_loadd(0, c, p.ldc * 4);
-        if (tiles == 2) _tile_loadd(1, c + 16, p.ldc * 4);
-      } else {
-        std::memset(c_stage, 0, sizeof c_stage);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int t = 0; t < tiles; ++t) std::memcpy(c_stage[t][r], c + r * p.ldc + 16 * t, 64);
-        }
-        _tile_loadd(0, c_stage[0], 64);
-        _tile_loadd(1, c_stage[1], 64);
-      }
-      for (std::int64_t x0 = 0; x0 < p.k; x0 += 64) {
-        const std::int64_t depth = std::min<std::int64_t>(64, p.k - x0);
-        const std::int8_t* a = p.a + i0 * p.lda + x0;
-        const std::int8_t* b = p.b + (x0 / 4) * b_quad_row + 4 * j0;
-        if (rows == 16 && depth == 64) {
-          _tile_loadd(2, a, p.lda);
-        } else {
-          std::memset(a_stage, 0, sizeof a_stage);
-          for (std::int64_t r = 0; r < rows; ++r) {
-            std::memcpy(a_stage[r], a + r * p.lda, static_cast<std::size_t>(depth));
-          }
-          _tile_loadd(2, a_stage, 64);
-        }
-        if (depth == 64) {
-          _tile_loadd(3, b, b_quad_row);
-          if (tiles == 2) _tile_loadd(4, b + 64, b_quad_row);
-        } else {
-          std::memset(b_stage, 0, sizeof b_stage);
-          for (std::int64_t q = 0; q < depth / 4; ++q) {
-            for (int t = 0; t < tiles; ++t) {
-              std::memcpy(b_stage[t][q], b + q * b_quad_row + 64 * t, 64);
-            }
-          }
-          _tile_loadd(3, b_stage[0], 64);
-          _tile_loadd(4, b_stage[1], 64);
-        }
-        _tile_dpbssd(0, 2, 3);
-        if (tiles == 2) _tile_dpbssd(1, 2, 4);
-      }
-      if (rows == 16) {
-        _tile_stored(0, c, p.ldc * 4);
-        if (tiles == 2) _tile_stored(1, c + 16, p.ldc * 4);
-      } else {
-        _tile_stored(0, c_stage[0], 64);
-        _tile_stored(1, c_stage[1], 64);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int t = 0; t < tiles; ++t) std::memcpy(c + r * p.ldc + 16 * t, c_stage[t][r], 64);
-        }
-      }
-    }
-  }
-  _tile_release();
-}
 #undef QKV_VNNI
 #endif
 
@@ -213,7 +138,9 @@ void int8_product(Int8Engine e, const Int8Product& p) {
     case Int8Engine::avx512_vnni:
       return product_vnni(p);
     case Int8Engine::amx_int8:
-      return product_amx_int8(p);
+      return amx_product(AmxOp::int8, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda,
+                                       reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c,
+                                       p.ldc, p.m, p.n, p.k, p.accumulate});
 #else
     case Int8Engine::avx512_vnni:
     case Int8Engine::amx_int8:
