@@ -34,7 +34,7 @@ struct ScoreModBound {
 };
 
 inline constexpr double kU32 = 0x1p-24;
-inline constexpr double kU16 = 0x1p-9;       // bf16's unit roundoff
+inline constexpr double kU16 = 0x1p-8;       // bf16's unit roundoff
 inline constexpr double kTiny32 = 0x1p-150;  // underflow of one f32 operation
 
 // Half the smallest subnormal of a format: what rounding a result to it may
