@@ -63,6 +63,11 @@ TEST(Cli, InfoListsTheFamilies) {
   EXPECT_EQ(err,
             "qkv: QKV_ISA: expected 'f32', 'avx512_vnni', 'avx512_bf16' or 'amx' (or unset), got "
             "'avx9000'\n");
+  ASSERT_EQ(setenv("QKV_EMULATE_ENGINES", "sse", 1), 0);
+  EXPECT_EQ(run_qkv("info --no-probe", err), 2);
+  ASSERT_EQ(unsetenv("QKV_EMULATE_ENGINES"), 0);
+  EXPECT_EQ(err,
+            "qkv: QKV_EMULATE_ENGINES: expected 'avx512_bf16' or 'amx' (or unset), got 'sse'\n");
 }
 
 }  // namespace

@@ -29,8 +29,10 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -157,11 +159,21 @@ inline const float* KeyRowF32(ConstTensorView t, const detail::SequenceExtent& s
 }
 
 // x[0, width) as int8 with one scale: q8 = round(x / s), s = max|x| / 127
-// (0 for a row of zeros). Returns s.
+// (0 for a row of zeros). Returns s; for a row holding a NaN or an
+// infinity, NaN (and zeros in q8), so that its scores are NaN, as the f32
+// path's would be.
 inline float QuantizeRow(const float* HWY_RESTRICT x, std::int64_t width,
                          std::int8_t* HWY_RESTRICT q8) {
   float amax = 0.0f;
-  for (std::int64_t i = 0; i < width; ++i) amax = std::max(amax, std::abs(x[i]));
+  bool finite = true;
+  for (std::int64_t i = 0; i < width; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::abs(x[i]));
+  }
+  if (!finite) {
+    std::fill_n(q8, width, std::int8_t{0});
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float s = amax / 127.0f;
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;
   for (std::int64_t i = 0; i < width; ++i) {
@@ -213,15 +225,22 @@ inline bool EngineCacheTask(const FlashPlan& plan, const detail::SequenceExtent&
   const std::int64_t n = end - begin;
   if (eb.int8) {
     const std::int64_t dk = plan.k.size(3);
+    // Any vector shared by all keys keeps the softmax: the mean of each
+    // channel's finite values, so that a non-finite key spoils its own
+    // scores only.
     std::vector<double> sum(static_cast<std::size_t>(dk), 0.0);
+    std::vector<std::int64_t> count(static_cast<std::size_t>(dk), 0);
     for (std::int64_t j = begin; j < end; ++j) {
       const float* x = KeyRowF32(plan.k, seq, j, h, row);
-      for (std::int64_t c = 0; c < dk; ++c) sum[static_cast<std::size_t>(c)] += x[c];
+      for (std::int64_t c = 0; c < dk; ++c) {
+        if (!std::isfinite(x[c])) continue;
+        sum[static_cast<std::size_t>(c)] += x[c];
+        ++count[static_cast<std::size_t>(c)];
+      }
     }
     for (std::int64_t c = 0; c < dk; ++c) {
-      eb.mean[static_cast<std::size_t>(c)] =
-          n > 0 ? static_cast<float>(sum[static_cast<std::size_t>(c)] / static_cast<double>(n))
-                : 0.0f;
+      const auto i = static_cast<std::size_t>(c);
+      eb.mean[i] = count[i] > 0 ? static_cast<float>(sum[i] / static_cast<double>(count[i])) : 0.0f;
     }
   }
   if (n <= 0 || eb.Bytes(n) > plan.config.packed_keys_bytes) return false;

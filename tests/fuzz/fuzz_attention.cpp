@@ -3,9 +3,10 @@
 // AttentionOptions (scores, scale, causal and both aligns, windows, key
 // lengths, packed sequences, bool and float masks, ALiBi, relative bias,
 // softcap, dropout, sparse patterns, score_mod / mask_mod from a menu, the
-// three backends), any dtype, strided, transposed, broadcast and overlapping
-// views, and raw bad input (null or undefined views, overflowing extents,
-// out-of-range enums, aliasing outputs).
+// three backends, matmul_precision medium and int8), any dtype, strided,
+// transposed, broadcast and overlapping views, and raw bad input (null or
+// undefined views, overflowing extents, out-of-range enums, aliasing
+// outputs).
 //
 // Checks: only qkv::Error escapes; a rejected call leaves its outputs
 // bitwise unchanged and a call that must be rejected is; inputs are never

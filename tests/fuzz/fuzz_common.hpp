@@ -1068,12 +1068,15 @@ inline void fuzz_key_lengths(Input& in, AttentionCase& c) {
 // Enum fields set from integers out of range (as bindings and config parsers
 // may): validation must reject them.
 inline void fuzz_enums(Input& in, AttentionCase& c) {
-  switch (in.range(0, 2)) {
+  switch (in.range(0, 3)) {
     case 0:
       c.opt.score = static_cast<Score>(in.range(3, 255));
       break;
     case 1:
       c.opt.align = static_cast<Align>(in.range(2, 255));
+      break;
+    case 2:
+      c.opt.matmul_precision = static_cast<qkv::MatmulPrecision>(in.range(3, 255));
       break;
     default:
       c.opt.backend = static_cast<Backend>(in.range(3, 255));
@@ -1139,6 +1142,14 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
     if (!c.flex) c.opt = c.function_options();
     c.note("score_mod=" + std::to_string(c.score_mod) + " mask_mod=" + std::to_string(c.mask_mod) +
            (c.flex ? " (flex)" : ""));
+  }
+  // Reduced precision: the engines' paths where the CPU has them (or under
+  // QKV_EMULATE_ENGINES), the f32 path bit for bit elsewhere.
+  if (in.one_in(4)) {
+    static constexpr qkv::MatmulPrecision kPrecisions[] = {qkv::MatmulPrecision::medium,
+                                                           qkv::MatmulPrecision::int8};
+    c.opt.matmul_precision = in.pick(kPrecisions);
+    c.note(c.opt.matmul_precision == qkv::MatmulPrecision::int8 ? "int8" : "medium");
   }
   static constexpr Backend kBackends[] = {Backend::automatic, Backend::fast, Backend::reference};
   c.opt.backend = in.pick(kBackends);
