@@ -1,10 +1,12 @@
 // Decode with MatmulPrecision::medium: bf16 caches on AVX512-BF16 dot
-// products (cpu/bf16_dot-inl.h) against the same cache decoded at highest
+// products (cpu/bf16_dot-inl.h), and with many rows per KV head as a small
+// GEMM on the bf16 engines (cpu/decode_engine-inl.h, through their exact
+// emulations on any CPU), against the same cache decoded at highest
 // precision, within the error model of rounding the queries and the weights
 // to bf16 (docs/numerics.md); shapes around the 32-value chunks, the pairs
-// of tokens and the four-row tiles; the paths without the instructions
-// (QKV_ISA=avx512, dims not a multiple of 32, other storages) bit for bit
-// the highest-precision decode.
+// of tokens, the four-row tiles and the engines' 16 columns; the paths
+// without the instructions (QKV_ISA=avx512, dims not a multiple of 32, other
+// storages) bit for bit the highest-precision decode.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <string>
 
 #include "core/isa.hpp"
+#include "cpu/engines/select.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -181,9 +184,42 @@ TEST(Bf16Dot, DecodeWithinTheRoundingOfQueriesAndWeights) {
   }
 }
 
+// The small GEMM on each engine's emulation: a KV head's rows (query heads
+// x new tokens) from 8 to 32, around the engines' 16 columns; odd block
+// tails (a token without its pair), pages, a second shorter sequence, dims
+// that are not multiples of 16 or 32.
+TEST(Bf16Dot, DecodeOnTheEnginesWithinTheSameModel) {
+  namespace engines = qkv::cpu::engines;
+  const Shape shapes[] = {
+      {1, 32, 8, 128, 128, 515, 4, 0}, {2, 8, 2, 64, 64, 301, 2, 16}, {1, 6, 1, 32, 96, 77, 2, 0},
+      {1, 3, 1, 40, 24, 99, 3, 0},     {2, 16, 2, 64, 48, 33, 1, 0},  {1, 8, 1, 2, 2, 17, 4, 8},
+  };
+  for (const engines::Bf16Engine engine :
+       {engines::Bf16Engine::emulate_amx_bf16, engines::Bf16Engine::emulate_avx512_bf16}) {
+    SCOPED_TRACE(engines::engine_name(engine));
+    engines::set_bf16_engine_for_test(engine);
+    std::uint32_t seed = 300;
+    for (const Shape& s : shapes) {
+      EXPECT_GT(expect_within_model(s, seed += 10), 0.0) << label(s);
+      EXPECT_STREQ(qkv::detail::last_products_isa(), engines::engine_name(engine)) << label(s);
+    }
+    engines::reset_bf16_engine_for_test();
+  }
+  // Four rows per KV head (one new token, GQA 4) stay on the per-row tiles.
+  engines::set_bf16_engine_for_test(engines::Bf16Engine::emulate_amx_bf16);
+  const Shape few{1, 8, 2, 64, 64, 40, 1, 0};
+  const Filled f = fill(few, KvStorage::bf16, 9);
+  AttentionOptions medium;
+  medium.matmul_precision = qkv::MatmulPrecision::medium;
+  (void)qkv::decode_attention(f.q, f.cache, medium);
+  EXPECT_STRNE(qkv::detail::last_products_isa(), "emulated amx_bf16");
+  engines::reset_bf16_engine_for_test();
+}
+
 TEST(Bf16Dot, LatentCache) {
-  if (!qkv::detail::has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  // MLA's shape at 16 heads: keys of 576, values the first 512 of the row.
+  // MLA's shape at 16 heads: keys of 576, values the first 512 of the row;
+  // on AVX512-BF16's per-row tiles where the CPU has them, and as the small
+  // GEMM (16 rows) on the AMX engine's emulation.
   const std::int64_t hq = 16, dk = 576, dv = 512, l = 200;
   KvCache cache({.batch = 1,
                  .kv_heads = 1,
@@ -202,10 +238,18 @@ TEST(Bf16Dot, LatentCache) {
   const double u = std::ldexp(1.0, -8);
   const double delta = u * scaled_q_l1(q, *highest.scale) * (1 + u);
   const double bound = (u + std::expm1(2 * delta)) * 1.1;
-  const double diff = max_abs_diff(qkv::decode_attention(q, cache, medium).out,
-                                   qkv::decode_attention(q, cache, highest).out);
-  EXPECT_LE(diff, bound);
-  EXPECT_GT(diff, 0.0);
+  const auto check = [&] {
+    const double diff = max_abs_diff(qkv::decode_attention(q, cache, medium).out,
+                                     qkv::decode_attention(q, cache, highest).out);
+    EXPECT_LE(diff, bound);
+    EXPECT_GT(diff, 0.0);
+  };
+  namespace engines = qkv::cpu::engines;
+  engines::set_bf16_engine_for_test(std::nullopt);
+  if (qkv::detail::has_bf16_dot()) check();
+  engines::set_bf16_engine_for_test(engines::Bf16Engine::emulate_amx_bf16);
+  check();
+  engines::reset_bf16_engine_for_test();
 }
 
 // Without the instructions, or where the kernel has no bf16 products for

@@ -57,6 +57,18 @@ std::string_view suite_name(Pass pass) {
   }
 }
 
+// AttentionOptions::matmul_precision as Python spells it.
+const char* precision_name(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::medium:
+      return "medium";
+    case MatmulPrecision::int8:
+      return "int8";
+    default:
+      return "highest";
+  }
+}
+
 struct Case {
   std::string name;
   Pass pass = Pass::forward;
@@ -179,19 +191,19 @@ std::vector<Case> decode_cases(int shrink) {
   };
   std::vector<Case> cases;
   const auto add = [&](KvStorage storage, Shape shape,
-                       MatmulPrecision precision = MatmulPrecision::highest) {
+                       MatmulPrecision precision = MatmulPrecision::highest, std::int64_t n = 1) {
     const std::int64_t l = shrunk(shape.l, shrink);
     const std::string paged =
         shape.page_size > 0 ? "paged" + std::to_string(shape.page_size) + "/" : "";
     const std::string medium = precision == MatmulPrecision::medium ? "medium/" : "";
     cases.push_back({.name = "dec/" + std::string(storage_name(storage)) + "/" + medium + paged +
                              "B" + std::to_string(shape.b) + "/Hq32/Hkv8/L" + std::to_string(l) +
-                             "/D128/n1",
+                             "/D128/n" + std::to_string(n),
                      .pass = Pass::decode,
                      .b = shape.b,
                      .hq = 32,
                      .hkv = 8,
-                     .nq = 1,
+                     .nq = n,
                      .nk = l,
                      .d = 128,
                      .causal = true,
@@ -212,6 +224,14 @@ std::vector<Case> decode_cases(int shrink) {
       add(storage, shape);
     }
   }
+  // Four new tokens per sequence (speculative decoding, causal among
+  // themselves): the query rows of a KV head grow from 4 to 16.
+  for (const KvStorage storage : {KvStorage::f32, KvStorage::bf16, KvStorage::f16}) {
+    add(storage, Shape{1, 32768, 0}, MatmulPrecision::highest, 4);
+  }
+  // And on a bf16 engine where the CPU has one (the small GEMM of
+  // cpu/decode_engine-inl.h).
+  add(KvStorage::bf16, Shape{1, 32768, 0}, MatmulPrecision::medium, 4);
   // The bf16 cache on bf16 dot products (MatmulPrecision::medium).
   for (const Shape shape : {Shape{1, 4096, 0}, Shape{1, 32768, 0}, Shape{1, 131072, 0},
                             Shape{4, 32768, 0}, Shape{1, 32768, 16}, Shape{4, 32768, 16}}) {
@@ -291,14 +311,15 @@ std::string json_line(const Row& r, int threads, const char* target) {
       "\"B\":%lld,\"Hq\":%lld,\"Hkv\":%lld,\"Nq\":%lld,\"Nk\":%lld,\"D\":%lld,"
       "\"causal\":%s,\"window\":[%lld,%lld],\"threads\":%d,\"seconds\":%.6g,"
       "\"gflops\":%.6g,\"peak_gflops\":%.6g,\"fraction_of_peak\":%.4g,"
-      "\"extra_bytes\":%lld,\"target\":\"%s\",\"isa\":\"%s\"",
+      "\"extra_bytes\":%lld,\"target\":\"%s\",\"isa\":\"%s\",\"matmul_precision\":\"%s\"",
       static_cast<int>(suite.size()), suite.data(), c.name.c_str(), static_cast<int>(r.impl.size()),
       r.impl.data(), static_cast<int>(dtype_name(c.dtype).size()), dtype_name(c.dtype).data(),
       static_cast<long long>(c.b), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
       static_cast<long long>(c.nq), static_cast<long long>(c.nk), static_cast<long long>(c.d),
       c.causal ? "true" : "false", static_cast<long long>(c.window_left),
       static_cast<long long>(c.window_right), threads, r.timing.seconds, r.gflops, r.peak_gflops,
-      r.gflops / r.peak_gflops, static_cast<long long>(r.timing.extra_bytes), target, r.isa);
+      r.gflops / r.peak_gflops, static_cast<long long>(r.timing.extra_bytes), target, r.isa,
+      precision_name(c.precision));
   std::string line = text;
   if (c.pass == Pass::decode) {
     const double bandwidth = r.probe_bytes_per_second;
@@ -540,9 +561,10 @@ std::string prepare_case(const Case& c, const BenchOptions& options, PreparedCas
             static_cast<double>(unmasked_pairs(c.nq, c.nk, p.attention_options));
   if (c.pass == Pass::decode) {
     if (std::string skip = fill_cache(c, rng, p.cache); !skip.empty()) return skip;
-    p.impls.push_back({"qkv", [&p, precision = c.precision] {
+    p.impls.push_back({"qkv", [&p, precision = c.precision, causal = c.causal] {
                          AttentionOptions o;
                          o.matmul_precision = precision;
+                         o.causal = causal;
                          decode_attention_into(p.q, *p.cache, p.o, {}, o);
                        }});
     return {};

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -31,6 +32,7 @@
 #include "core/sparse.hpp"
 #include "cpu/bf16_dot-inl.h"
 #include "cpu/decode.hpp"
+#include "cpu/decode_engine-inl.h"
 #include "cpu/row_sums-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/vec_math-inl.h"
@@ -253,10 +255,15 @@ struct DecodeScratch {
 };
 
 // Where the products run on bf16 dot products (cpu/bf16_dot-inl.h):
-// MatmulPrecision::medium on a CPU with AVX512-BF16, for bf16 rows.
+// MatmulPrecision::medium on a CPU with AVX512-BF16, for bf16 rows; or, with
+// many rows per KV head, as a small GEMM on a bf16 engine
+// (cpu/decode_engine-inl.h).
 struct DotPlan {
   const std::uint16_t* q16 = nullptr;  // the sequences' query rows in bf16 for the scores; or none
   bool values = false;                 // P V on bf16 products
+  std::optional<engines::Bf16Engine> engine;     // both products on this engine; or none
+  const DecodeEngineQueries* queries = nullptr;  // engine: the sequence's query operands
+  DecodeEngineScratch* scratch = nullptr;        // engine: this thread's block operands
 };
 
 // The shape of one work item's tiles: rows r = h * n + t over all query
@@ -560,9 +567,24 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     const std::int64_t score_tiles = (cols + 1) / 2 * sh.hkv * tiles_per_head;
     const std::int64_t value_tiles = (cols + kValueGroup - 1) / kValueGroup * sh.hkv *
                                      tiles_per_head * ((sh.dv + 2 * lanes - 1) / (2 * lanes));
-    next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes, score_tiles);
-    next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes, value_tiles);
-    BlockScores<KTraits>(sh, q, dot.q16, keys, cols, next_keys, s);
+    const bool per_token = dot.engine.has_value();  // the engine's packing calls per token and head
+    next_keys.Start(ahead_keys, std::max<std::int64_t>(ahead, 0), key_bytes,
+                    per_token ? cols * sh.hkv : score_tiles);
+    next_values.Start(ahead_values, std::max<std::int64_t>(ahead, 0), value_bytes,
+                      per_token ? cols * sh.hkv : value_tiles);
+    constexpr bool kBf16Rows =
+        std::is_same_v<KT, hwy::bfloat16_t> && std::is_same_v<VT, hwy::bfloat16_t>;
+    const bool engine = kBf16Rows && dot.engine.has_value();
+    if constexpr (kBf16Rows) {
+      if (engine) {
+        for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+          HeadScoresEngine(
+              *dot.engine, sh, hk, dot.queries->head(hk), keys, cols, [&] { next_keys.Next(); },
+              *dot.scratch, s);
+        }
+      }
+    }
+    if (!engine) BlockScores<KTraits>(sh, q, dot.q16, keys, cols, next_keys, s);
     // Biases and masks, only where a block needs them.
     if (transform || j0 < open_lo || j0 + cols > open_hi) {
       BlockModifyAndMask(plan, sh, length, j0, cols, alibi, slopes, s);
@@ -570,6 +592,16 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
     // Online softmax, a vector of rows at a time (padding rows included).
     OnlineSoftmaxBlock(s, sh.rows_pad, cols, sh.rows_pad, m, l, alpha);
     RescaleRows(o_acc, sh.rows, sh.dv_pad, sh.dv_pad, alpha);
+    if constexpr (kBf16Rows) {
+      if (engine) {
+        for (std::int64_t hk = 0; hk < sh.hkv; ++hk) {
+          HeadValuesEngine(
+              *dot.engine, sh, hk, s, values, cols, [&] { next_values.Next(); }, *dot.scratch,
+              o_acc);
+        }
+        continue;
+      }
+    }
     if constexpr (kBf16Dot && std::is_same_v<VT, hwy::bfloat16_t>) {
       if (dot.values) {
         PackWeightPairs(s, sh.rows_pad, cols, sh.rows_pad, sc.p2.get());
@@ -642,8 +674,18 @@ inline void DecodeImpl(DecodePlan& plan) {
   // bf16 products where allowed and the rows are bf16 (a latent cache's
   // values are its key rows), in chunks of 32 (cpu/bf16_dot-inl.h).
   DotPlan dot;
+  // Many rows per KV head: the small GEMM on an engine, which then takes
+  // both products.
+  dot.engine = DecodeEngine(plan);
+  const std::int64_t head_rows = plan.rows / plan.hkv;
+  std::vector<DecodeEngineQueries> queries;
+  if (dot.engine) {
+    for (std::int64_t b = 0; b < plan.batch; ++b) {
+      queries.emplace_back(q.get() + b * plan.rows * dk_pad, plan.hkv, head_rows, plan.dk, dk_pad);
+    }
+  }
   std::vector<std::uint16_t> q16;
-  if (kBf16Dot && plan.params.matmul_precision != MatmulPrecision::highest &&
+  if (kBf16Dot && !dot.engine && plan.params.matmul_precision != MatmulPrecision::highest &&
       detail::has_bf16_dot()) {
     const KvStorage values_storage = plan.cache->values_in_keys ? key_storage : value_storage;
     if (key_storage == KvStorage::bf16 && plan.dk % kBf16Chunk == 0) {
@@ -653,7 +695,9 @@ inline void DecodeImpl(DecodePlan& plan) {
     }
     dot.values = values_storage == KvStorage::bf16 && plan.dv % kBf16Chunk == 0;
   }
-  detail::note_products_isa(dot.q16 != nullptr || dot.values ? "avx512_bf16" : "f32");
+  detail::note_products_isa(dot.engine                         ? engines::engine_name(*dot.engine)
+                            : dot.q16 != nullptr || dot.values ? "avx512_bf16"
+                                                               : "f32");
   // Threads only when the step is worth waking them: a short cache decodes
   // in microseconds, less than a parallel region's start and barrier.
   std::int64_t work = 0;
@@ -664,12 +708,18 @@ inline void DecodeImpl(DecodePlan& plan) {
 #pragma omp parallel if (work >= kParallelWork)
   {
     DecodeScratch sc(rows_pad);
+    std::optional<DecodeEngineScratch> es;
+    if (dot.engine) es.emplace(kDecodeBlock, plan.dk, plan.dv, RoundUp(head_rows, 16));
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < n; ++i) {
       const DecodeItem& item = plan.items[static_cast<std::size_t>(i)];
       const float* q_item = q.get() + item.b * plan.rows * dk_pad;
       DotPlan dot_item = dot;
       if (dot.q16 != nullptr) dot_item.q16 = dot.q16 + item.b * plan.rows * dk_pad;
+      if (dot.engine) {
+        dot_item.queries = &queries[static_cast<std::size_t>(item.b)];
+        dot_item.scratch = &*es;
+      }
       WithCacheTraits(key_storage, value_storage, [&](auto k, auto v) {
         DecodeItemRun<decltype(k), decltype(v)>(plan, item, q_item, dot_item, sc);
       });
