@@ -26,11 +26,12 @@ Differences from FlashAttention 2.8:
   sequence's lengths) in the dtype of q, computed by a second forward pass.
   As in FlashAttention it holds the softmax's numerators, negated where
   dropout dropped the weight (the sign carries the dropout pattern, so
-  `S_dmask >= 0` is the kept mask); the scaling differs: qkv's entries are
-  exp(s_ij - m_i) with m_i the largest score of row i over all its keys
-  (FlashAttention's running maximum with a single key block), so
-  `S_dmask.abs() * exp(m_i - lse_i)` are the probabilities before dropout.
-  It is returned for every dropout_p (FlashAttention 2.8 returns an empty
+  `S_dmask >= 0` is the kept mask), scaled as FlashAttention's kernel on sm80
+  (A100) writes them: the keys in blocks of its key-block width for the head
+  dimension and dropout flag (128, 64 or 32; `_get_block_size_n` of its
+  tests), block c's entries exp(s_ij - m_c) with m_c row i's largest score
+  over blocks c, c + 1, ..., so its tests' `normalize_flash_attn_S` recovers
+  the probabilities before dropout. It is returned for every dropout_p (FlashAttention 2.8 returns an empty
   tensor when dropout_p == 0) and is not padded to multiples of 128.
 * Invalid arguments raise qkv.ArgumentError, a RuntimeError as FlashAttention's
   checks raise and a ValueError as qkv's.
@@ -194,13 +195,38 @@ def _probs(q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes,
     return r.probs
 
 
-def _s_dmask(probs: Tensor, dropout_p: float, seed: int, dtype: torch.dtype) -> Tensor:
+def _block_size_n(head_dim: int, is_dropout: bool) -> int:
+    """The key-block width of FlashAttention's forward kernel on sm80 (A100) for a
+    head dimension (its tests' _get_block_size_n; 64 past its limit of 256)."""
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        return 32 if is_dropout else 64
+    return 64
+
+
+def _s_dmask(probs: Tensor, dropout_p: float, seed: int, dtype: torch.dtype,
+             head_dim: int) -> Tensor:
     """FlashAttention's S_dmask from the probabilities [B, Hq, Nq, Nk] (varlen:
-    [batch, Hq, max_seqlen_q, max_seqlen_k], sequence b's at the top left):
-    exp(s_ij - m_i), m_i the largest score of row i (P_ij / max_j P_ij), and
-    negated where dropout dropped the weight; 0 where row i has no key."""
-    peak = probs.amax(-1, keepdim=True)
-    s = torch.where(peak > 0, probs / torch.where(peak > 0, peak, 1), 0)
+    [batch, Hq, max_seqlen_q, max_seqlen_k], sequence b's at the top left), in its
+    kernel's block convention: the keys in blocks of _block_size_n, block c holding
+    exp(s_ij - m_c) with m_c row i's largest score over blocks c, c + 1, ... (the
+    kernel visits the blocks last to first and writes each with its running
+    maximum), i.e. P_ij / max(P_i over those blocks); negated where dropout dropped
+    the weight; 0 where row i has no key from block c on."""
+    n = probs.shape[-1]
+    width = _block_size_n(head_dim, dropout_p > 0)
+    blocks = -(-n // width)
+    padded = torch.nn.functional.pad(probs, (0, blocks * width - n))
+    padded = padded.unflatten(-1, (blocks, width))
+    peak = padded.amax(-1) if blocks else padded.new_zeros(padded.shape[:-1])
+    running = torch.cummax(peak.flip(-1), -1).values.flip(-1)[..., None]
+    s = torch.where(running > 0, padded / torch.where(running > 0, running, 1), 0)
+    s = s.flatten(-2)[..., :n]
     if dropout_p > 0:
         keep = torch.empty(probs.shape, dtype=torch.bool)
         _api._qkv.dropout_keep_into(keep, seed, 0, dropout_p)
@@ -228,7 +254,7 @@ def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, ali
         return out
     probs = _probs(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
                    softcap=softcap, alibi_slopes=alibi_slopes)
-    return out, _fa_lse(lse), _s_dmask(probs, dropout_p, seed, q.dtype)
+    return out, _fa_lse(lse), _s_dmask(probs, dropout_p, seed, q.dtype, q.shape[-1])
 
 
 def _varlen_probs(q, k, v, cu_q: Tensor, cu_k: Tensor, max_seqlen_q, max_seqlen_k,
@@ -307,7 +333,7 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     probs = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale=softmax_scale, causal=causal, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes)
-    return out, _fa_lse(lse[0]), _s_dmask(probs, dropout_p, seed, q.dtype)
+    return out, _fa_lse(lse[0]), _s_dmask(probs, dropout_p, seed, q.dtype, q.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +389,9 @@ def flash_attn_func(
             (float64 for float64 inputs), the logsumexp of each row of the scaled scores;
             +inf for rows without keys.
         S_dmask [if return_attn_probs]: (batch_size, nheads, seqlen_q, seqlen_k), in the
-            dtype of q: exp(s_ij - max_j s_ij), negated where dropout dropped the weight.
+            dtype of q: exp(s_ij - m), m the row's running maximum in FlashAttention's
+            key blocks (see the module's docstring), negated where dropout dropped the
+            weight.
     """
     _tensor(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _tensor(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")

@@ -86,11 +86,33 @@ def ref_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap
     return out, lse, probs
 
 
-def ref_numerators(probs):
-    """S_dmask without dropout, as qkv.flash_attn documents it: exp(s_ij - m_i) with
-    m_i the row's largest score, i.e. P_ij / max_j P_ij (0 for rows without keys)."""
-    peak = probs.amax(-1, keepdim=True)
-    return torch.where(peak > 0, probs / torch.where(peak > 0, peak, 1.0), 0.0)
+def fa_block_width(head_dim, dropout):
+    """FlashAttention's sm80 key-block width (its tests' _get_block_size_n)."""
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        return 32 if dropout else 64
+    return 64
+
+
+def ref_numerators(probs, head_dim, dropout=False):
+    """|S_dmask| as FlashAttention's kernel writes it: the keys in blocks of its width,
+    visited last to first, each written as exp(s_ij - m) with m the running maximum
+    so far, i.e. P_ij / (row i's largest P over this block and the later ones); 0
+    where that is 0 (no key)."""
+    width = fa_block_width(head_dim, dropout)
+    out = torch.zeros_like(probs)
+    running = torch.zeros_like(probs[..., :1])
+    for start in reversed(range(0, probs.shape[-1], width)):
+        block = probs[..., start:start + width]
+        running = torch.maximum(running, block.amax(-1, keepdim=True))
+        out[..., start:start + width] = torch.where(
+            running > 0, block / torch.where(running > 0, running, 1.0), 0.0)
+    return out
 
 
 def ref_varlen(q, k, v, cu_q, cu_k, *, alibi=None, **options):
@@ -211,7 +233,7 @@ def test_func_matches_reference(case, dtype, gen):
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(out, ref_out, dtype, what="out")
     assert_close(lse, ref_lse, dtype, what="softmax_lse")
-    assert_close(s_dmask, ref_numerators(ref_probs), dtype, what="S_dmask")
+    assert_close(s_dmask, ref_numerators(ref_probs, d), dtype, what="S_dmask")
     plain = fa.flash_attn_func(q, k, v, **kwargs)
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
 
@@ -231,6 +253,38 @@ def test_fully_masked_rows_are_zero_with_infinite_lse(gen):
     assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
     assert torch.isposinf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
     assert torch.equal(s_dmask[:, :, :3], torch.zeros_like(s_dmask[:, :, :3]))
+
+
+@pytest.mark.parametrize("d, dropout_p, nk", [(64, 0.0, 203), (64, 0.17, 203), (128, 0.0, 130),
+                                             (128, 0.2, 113), (96, 0.0, 70), (256, 0.1, 129)])
+def test_s_dmask_in_flash_attentions_key_blocks(d, dropout_p, nk, gen):
+    """S_dmask over several of FlashAttention's key blocks (sm80's widths: 128, 64 or 32
+    keys by head dim and dropout): block c scaled by the row's running maximum over
+    blocks c, c + 1, ..., as its tests' normalize_flash_attn_S reads it; the sign is
+    the dropout pattern, and the output is the same with and without the mask."""
+    b, nq, hq, hkv = 1, 37, 2, 1
+    q = randn(b, nq, hq, d, generator=gen)
+    k, v = (randn(b, nk, hkv, d, generator=gen) for _ in range(2))
+    torch.manual_seed(11)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, dropout_p, causal=True,
+                                           return_attn_probs=True)
+    torch.manual_seed(11)
+    assert torch.equal(fa.flash_attn_func(q, k, v, dropout_p, causal=True), out)
+    _, ref_lse, probs = ref_attention(q, k, v, causal=True)
+    assert_close(s_dmask.abs(), ref_numerators(probs, d, dropout_p > 0), torch.float64,
+                 what="|S_dmask|")
+    # normalize_flash_attn_S: block c times exp(m_c - lse), m_c from the scores.
+    width = fa_block_width(d, dropout_p > 0)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.expand(-1, -1, hq, -1)) / math.sqrt(d)
+    scores = scores.masked_fill(~(probs > 0), -math.inf)
+    block_max = torch.stack([x.amax(-1) for x in scores.split(width, -1)], -1)
+    running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)
+    normalized = torch.cat([a * torch.exp(m - ref_lse)[..., None] for a, m in
+                            zip(s_dmask.abs().split(width, -1), running.unbind(-1))], -1)
+    assert_close(normalized, probs, torch.float64, what="normalized S_dmask")
+    if dropout_p > 0:
+        dropped = (torch.signbit(s_dmask) & (probs > 0)).sum().item() / (probs > 0).sum().item()
+        assert abs(dropped - dropout_p) < 0.05, dropped
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["func", "varlen"])
@@ -424,7 +478,8 @@ def test_varlen_matches_reference(options, dtype, gen):
     assert s_dmask.shape == (len(LENS_Q), hq, max(LENS_Q), max(LENS_K))
     for s, p in enumerate(ref_probs):
         nq, nk = LENS_Q[s], LENS_K[s]
-        assert_close(s_dmask[s, :, :nq, :nk], ref_numerators(p), dtype, what=f"S_dmask[{s}]")
+        assert_close(s_dmask[s, :, :nq, :nk], ref_numerators(p, d), dtype,
+                     what=f"S_dmask[{s}]")
         assert not s_dmask[s, :, nq:].any() and not s_dmask[s, :, :, nk:].any()
 
 

@@ -539,6 +539,22 @@ def convert_flash_attn_S_to_softmax(
     return converted[:, :, :seqlen_q, :seqlen_k]
 
 
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block width of FlashAttention's forward kernel, as the original's helper
+    gives it for an sm80 device (A100; sm86/sm89 differ at head_dim 128 only): the port
+    runs on the CPU and takes that branch."""
+    assert head_dim <= 256
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 128 if not is_dropout else 64
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        return 64 if not is_dropout else 32
+    return 64
+
+
 def normalize_flash_attn_S(
     attn_unnorm,
     q,
@@ -554,12 +570,10 @@ def normalize_flash_attn_S(
     """|S_dmask| (exp(s_ij - running max)) -> the probabilities exp(s_ij - lse_i).
 
     FlashAttention's kernel rescales its running row maximum once per key block of
-    _get_block_size_n(device, head_dim, is_dropout, causal) keys (a CUDA tile size), so the
-    original multiplies block c's entries by exp(m_c - lse) with m_c the maximum over key
-    blocks c, c + 1, ... (a reversed cumulative maximum). qkv.flash_attn's S_dmask is
-    exp(s_ij - m_i) with m_i the maximum over the whole row: FlashAttention's convention with
-    a single key block covering the row. The port therefore uses one block of seqlen_k keys;
-    the rest of the computation is the original's."""
+    _get_block_size_n(device, head_dim, is_dropout, causal) keys, visiting the blocks last
+    to first, so the original multiplies block c's entries by exp(m_c - lse) with m_c the
+    maximum over key blocks c, c + 1, ... (a reversed cumulative maximum); qkv.flash_attn
+    writes S_dmask in that convention at sm80's block widths."""
     if causal:
         window_size = (window_size[0], 0)
     q, k, v = q.float(), k.float(), v.float()
@@ -575,7 +589,7 @@ def normalize_flash_attn_S(
         scores.masked_fill_(local_mask, float("-inf"))
     if attn_bias is not None:
         scores = scores + attn_bias.to(dtype=scores.dtype)
-    block_size_n = max(seqlen_k, 1)  # qkv: one key block per row (see the docstring)
+    block_size_n = _get_block_size_n(scores.device, head_dim, is_dropout, causal)
     blocks = scores.split(block_size_n, dim=-1)
     lse = torch.logsumexp(torch.stack([torch.logsumexp(s, dim=-1) for s in blocks], -1), -1)
     # Rows without keys: lse = +inf, so that exp(m - lse) is 0 rather than NaN.
