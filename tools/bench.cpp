@@ -183,8 +183,9 @@ std::vector<Case> backward_cases(int shrink) {
 // with the heads of Llama 3 8B (32 query heads sharing 8 KV heads of 128), the
 // cache in f32, bf16, f16 (half the bytes to read) and ggml's q8_0 and q4_0
 // blocks (8.5 and 4.5 bits per value), queries in f32; the 16-bit and f32
-// caches also at B = 4 and paged (16 tokens per page, vLLM's default). Every
-// case reads each cached byte once per step, so memory bandwidth bounds it.
+// caches also at B = 4 and paged (16 tokens per page, vLLM's default), and
+// with four new tokens per sequence (n4). Every case reads each cached byte
+// once per step, so with one new token memory bandwidth bounds it.
 std::vector<Case> decode_cases(int shrink) {
   struct Shape {
     std::int64_t b, l, page_size;
