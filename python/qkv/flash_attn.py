@@ -31,8 +31,9 @@ Differences from FlashAttention 2.8:
   dimension and dropout flag (128, 64 or 32; `_get_block_size_n` of its
   tests), block c's entries exp(s_ij - m_c) with m_c row i's largest score
   over blocks c, c + 1, ..., so its tests' `normalize_flash_attn_S` recovers
-  the probabilities before dropout. It is returned for every dropout_p (FlashAttention 2.8 returns an empty
-  tensor when dropout_p == 0) and is not padded to multiples of 128.
+  the probabilities before dropout. It is returned for every dropout_p
+  (FlashAttention 2.8 returns an empty tensor when dropout_p == 0) and is not
+  padded to multiples of 128.
 * Invalid arguments raise qkv.ArgumentError, a RuntimeError as FlashAttention's
   checks raise and a ValueError as qkv's.
 * softmax_lse is returned detached from autograd (FlashAttention returns it
@@ -59,6 +60,15 @@ Differences from FlashAttention 2.8:
   float64 inputs) and rounded once to the dtype of q.
 * Rotary cos/sin tables may have any floating dtype (FlashAttention requires
   that of q).
+* The private entry points that tests and libraries import from
+  `flash_attn.flash_attn_interface` are here too, with its argument order and
+  return tuples: `_flash_attn_forward` and `_flash_attn_varlen_forward` return
+  (out, softmax_lse, S_dmask, rng_state), rng_state an int64 (seed, 0) of
+  qkv's dropout generator; `_flash_attn_backward` and
+  `_flash_attn_varlen_backward` write dq, dk and dv in place and return
+  softmax_d. They are not differentiable. The varlen forward reads
+  `seqused_k` and `leftpad_k` (gathering the keys used, a copy) and, as
+  FlashAttention, refuses `num_splits > 1` with `block_table`.
 """
 
 from __future__ import annotations
@@ -243,15 +253,24 @@ def _seed(dropout_p: float) -> int:
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             return_attn_probs, learnable_sink=None):
     """flash_attn_func's body: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]."""
+    out, lse, s_dmask = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                 softcap, alibi_slopes, return_attn_probs, learnable_sink,
+                                 _seed(dropout_p))
+    return (out, lse, s_dmask) if return_attn_probs else out
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             with_s_dmask, learnable_sink, seed):
+    """(out, softmax_lse, S_dmask or None) of q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]
+    with dropout seed `seed`."""
     window = _window(window_size)
-    seed = _seed(dropout_p)
     out, lse = _ops.attention(
         q, k, v, alibi_slopes=alibi_slopes, scale=softmax_scale, causal=causal,
         window=window, softcap=softcap, dropout_p=dropout_p, dropout_seed=seed,
         sinks=learnable_sink,
     )
-    if not return_attn_probs:
-        return out
+    if not with_s_dmask:
+        return out, _fa_lse(lse), None
     probs = _probs(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
                    softcap=softcap, alibi_slopes=alibi_slopes)
     return out, _fa_lse(lse), _s_dmask(probs, dropout_p, seed, q.dtype, q.shape[-1])
@@ -307,6 +326,18 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    return_attn_probs, block_table=None, learnable_sink=None):
     """flash_attn_varlen_func's body: q [total_q, Hq, D], k/v [total_k, Hkv, D]
     (or paged with block_table)."""
+    out, lse, s_dmask = _forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+        block_table, learnable_sink, _seed(dropout_p))
+    return (out, lse, s_dmask) if return_attn_probs else out
+
+
+def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    with_s_dmask, block_table, learnable_sink, seed):
+    """(out, softmax_lse, S_dmask or None) of packed sequences, as _attend_varlen's,
+    with dropout seed `seed`."""
     window = _window(window_size)
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
@@ -321,15 +352,14 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         v = _gather_varlen_pages(v, "v", table, cu_k)
         cu_k = cu_k - cu_k[0]  # the gathered keys start at row 0
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    seed = _seed(dropout_p)
     out, lse = _ops.attention(
         q4, k4, v4, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         scale=softmax_scale, causal=causal, window=window, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=seed, sinks=learnable_sink,
     )
     out = out[0]
-    if not return_attn_probs:
-        return out
+    if not with_s_dmask:
+        return out, _fa_lse(lse[0]), None
     probs = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale=softmax_scale, causal=causal, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes)
@@ -854,3 +884,163 @@ def flash_attn_with_kvcache(
             window=window, softcap=softcap,
         )
     return (out, _fa_lse(lse)) if return_softmax_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention's private entry points (flash_attn.flash_attn_interface), which tests and
+# libraries call directly: the same arguments, order and return tuples, no autograd.
+
+
+def _rng_state(seed: int) -> Tensor:
+    """The dropout state a forward returns and a backward reads: (seed, offset 0), int64
+    (FlashAttention's philox seed and offset; qkv's counter-based generator needs the
+    seed only)."""
+    return torch.tensor([seed, 0], dtype=torch.int64)
+
+
+def _seed_of(rng_state, dropout_p: float) -> int:
+    if rng_state is None:
+        return _seed(dropout_p)
+    _tensor(rng_state, "rng_state", 1, "(2,) int64, as a forward returned it")
+    return int(rng_state[0])
+
+
+@_raises_like_flash_attn
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                        window_size_right, softcap, alibi_slopes, return_softmax):
+    """FlashAttention's private forward: q (batch_size, seqlen_q, nheads, headdim), k and
+    v (batch_size, seqlen_k, nheads_k, headdim), the options of flash_attn_func with the
+    window as two ints. Returns (out, softmax_lse, S_dmask, rng_state): S_dmask as
+    flash_attn_func's with return_softmax, else an empty tensor; rng_state the dropout
+    state for _flash_attn_backward. Not differentiable (the outputs are detached)."""
+    _tensor(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    _tensor(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
+    _tensor(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
+    seed = _seed(dropout_p)
+    with torch.no_grad():
+        out, lse, s_dmask = _forward(q, k, v, dropout_p, softmax_scale, causal,
+                                     (window_size_left, window_size_right), softcap,
+                                     alibi_slopes, bool(return_softmax), None, seed)
+    return out, lse, q.new_empty((0,)) if s_dmask is None else s_dmask, _rng_state(seed)
+
+
+def _used_keys(k: Tensor, v: Tensor, cu_k: Tensor, leftpad_k, seqused_k):
+    """Packed keys and values of sequences whose keys start at cu_k[b] + leftpad_k[b] and
+    number seqused_k[b] - leftpad_k[b] (or cu_k[b + 1] - cu_k[b] - leftpad_k[b]):
+    gathered into (k, v, cu_seqlens_k) of qkv's packing (a copy)."""
+    batch = cu_k.shape[0] - 1
+    cu = cu_k.to(torch.int64)
+    pad = torch.zeros(batch, dtype=torch.int64) if leftpad_k is None else \
+        _int_vector(leftpad_k, "leftpad_k", batch)
+    used = cu[1:] - cu[:-1] if seqused_k is None else _int_vector(seqused_k, "seqused_k", batch)
+    lengths = used - pad
+    if batch and (int(pad.min()) < 0 or int(lengths.min()) < 0):
+        raise ArgumentError(
+            f"leftpad_k: expected 0 <= leftpad_k <= the keys of each sequence, got leftpad_k "
+            f"{pad.tolist()} for {used.tolist()} keys"
+        )
+    starts = cu[:-1] + pad
+    if batch and int((starts + lengths).max()) > k.shape[0]:
+        raise ArgumentError(
+            f"seqused_k: sequences end past k's {k.shape[0]} rows: starts {starts.tolist()}, "
+            f"lengths {lengths.tolist()}"
+        )
+    rows = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths)]
+                     + [torch.zeros(0, dtype=torch.int64)])
+    cu_used = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    return k[rows], v[rows], cu_used
+
+
+@_raises_like_flash_attn
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0):
+    """FlashAttention's private varlen forward: q (total_q, nheads, headdim), k and v
+    (total_k, nheads_k, headdim), or pages (num_blocks, page_block_size, nheads_k,
+    headdim) with block_table; seqused_k (batch_size,) the keys each sequence uses (from
+    cu_seqlens_k[b], or from its first page), leftpad_k (batch_size,) keys skipped at
+    each sequence's start (not with block_table). zero_tensors changes nothing here;
+    num_splits is ignored, except that num_splits > 1 with block_table is refused as
+    FlashAttention refuses it. Returns (out, softmax_lse, S_dmask, rng_state) as
+    _flash_attn_forward."""
+    _tensor(q, "q", 3, "(total_q, nheads, headdim)")
+    rank = 3 if block_table is None else 4
+    layout = "(total_k, nheads_k, headdim)" if block_table is None else \
+        "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+    _tensor(k, "k", rank, layout)
+    _tensor(v, "v", rank, layout)
+    if block_table is not None and int(num_splits) > 1:
+        raise ArgumentError("num_splits > 1 is not supported for varlen paged KV")
+    if block_table is not None and leftpad_k is not None:
+        raise ArgumentError("leftpad_k: not supported together with block_table (paged KV)")
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+    if block_table is not None and seqused_k is not None:
+        used = _int_vector(seqused_k, "seqused_k", cu_k.shape[0] - 1)
+        cu_k = torch.nn.functional.pad(torch.cumsum(used, 0), (1, 0)).to(torch.int32)
+    elif seqused_k is not None or leftpad_k is not None:
+        k, v, cu_k = _used_keys(k, v, cu_k, leftpad_k, seqused_k)
+    seed = _seed(dropout_p)
+    with torch.no_grad():
+        out, lse, s_dmask = _forward_varlen(
+            q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, (window_size_left, window_size_right), softcap,
+            alibi_slopes, bool(return_softmax), block_table, None, seed)
+    return out, lse, q.new_empty((0,)) if s_dmask is None else s_dmask, _rng_state(seed)
+
+
+def _gradients_into(gradients, dq, dk, dv):
+    """Copies the (dq, dk, dv) computed into the tensors given for them (None: skipped)."""
+    for name, target, value in zip(("dq", "dk", "dv"), (dq, dk, dv), gradients):
+        if target is not None:
+            if target.shape != value.shape:
+                raise ArgumentError(
+                    f"{name}: expected shape {list(value.shape)}, got {list(target.shape)}"
+                )
+            target.copy_(value)
+
+
+@_raises_like_flash_attn
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+                         softmax_scale, causal, window_size_left, window_size_right, softcap,
+                         alibi_slopes, deterministic, rng_state=None):
+    """FlashAttention's private backward: the gradients of _flash_attn_forward's call with
+    the same options, given its out, softmax_lse and rng_state (the dropout pattern),
+    written into dq, dk and dv (each may be None: not written). Returns softmax_d
+    (batch_size, nheads, seqlen_q), float32: the row sums of dout * out."""
+    _tensor(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    seed = _seed_of(rng_state, dropout_p)
+    lse = torch.where(softmax_lse == math.inf, -math.inf, softmax_lse)  # qkv's empty rows
+    with torch.no_grad():
+        g = _api.attention_backward(
+            q, k, v, out, dout, lse, scale=softmax_scale, causal=bool(causal),
+            window_left=int(window_size_left), window_right=int(window_size_right),
+            softcap=float(softcap), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+            dropout_seed=seed)
+        _gradients_into((g.dq, g.dk, g.dv), dq, dk, dv)
+        return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+
+
+@_raises_like_flash_attn
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window_size_left, window_size_right,
+                                softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """FlashAttention's private varlen backward: as _flash_attn_backward for packed
+    sequences (q (total_q, nheads, headdim), softmax_lse (nheads, total_q)). Returns
+    softmax_d (nheads, total_q), float32."""
+    _tensor(q, "q", 3, "(total_q, nheads, headdim)")
+    seed = _seed_of(rng_state, dropout_p)
+    lse = torch.where(softmax_lse == math.inf, -math.inf, softmax_lse)
+    with torch.no_grad():
+        g = _api.attention_backward(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+            dout.unsqueeze(0), lse.unsqueeze(0), scale=softmax_scale, causal=bool(causal),
+            window_left=int(window_size_left), window_right=int(window_size_right),
+            softcap=float(softcap), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+            dropout_seed=seed, cu_seqlens_q=_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
+            cu_seqlens_k=_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"))
+        _gradients_into((g.dq[0], g.dk[0], g.dv[0]), dq, dk, dv)
+        return (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()

@@ -866,3 +866,100 @@ def test_bad_arguments(gen):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=1,
                                    block_table=torch.tensor([[2]]))
     assert torch.equal(k_cache, before)  # nothing written when the call is refused
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention's private entry points (flash_attn_interface's _flash_attn_*)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_private_forward_and_backward_are_the_public_functions(dropout_p, gen):
+    """_flash_attn_forward returns (out, softmax_lse, S_dmask, rng_state) as
+    flash_attn_func's call with the same seed; _flash_attn_backward with that rng_state
+    writes the autograd gradients into the tensors given (views of a packed dqkv here)
+    and returns softmax_d = rowsum(dout * out)."""
+    b, n, h, d = 2, 9, 2, 16
+    q, k, v = (randn(b, n, h, d, generator=gen) for _ in range(3))
+    w = randn(b, n, h, d, generator=gen)
+    torch.manual_seed(5)
+    out, lse, s_dmask, rng_state = fa._flash_attn_forward(
+        q, k, v, dropout_p, None, True, -1, -1, 0.0, None, True)
+    assert rng_state.dtype == torch.int64 and rng_state.shape == (2,)
+    assert not out.requires_grad
+    torch.manual_seed(5)
+    ref_out, ref_lse, ref_s = fa.flash_attn_func(q, k, v, dropout_p, causal=True,
+                                                 return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.equal(s_dmask, ref_s)
+    torch.manual_seed(5)
+    assert fa._flash_attn_forward(q, k, v, dropout_p, None, True, -1, -1, 0.0, None,
+                                  False)[2].numel() == 0
+    torch.manual_seed(5)
+    _, grads = training_step(
+        lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p, causal=True), (q, k, v), w)
+    dqkv = torch.full((b, n, 3, h, d), math.nan, dtype=q.dtype)
+    torch.manual_seed(99)  # the pattern comes from rng_state, not from torch's generator
+    softmax_d = fa._flash_attn_backward(
+        w, q, k, v, out, lse, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2], dropout_p, None,
+        True, -1, -1, 0.0, None, False, rng_state)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_close(dqkv[:, :, i], grads[i], torch.float64, what=name)
+    assert softmax_d.dtype == torch.float32  # as FlashAttention's, summed in float32
+    assert_close(softmax_d, (w * out).sum(-1).transpose(1, 2), torch.float32,
+                 what="softmax_d")
+
+
+def test_private_varlen_forward_and_backward(gen):
+    """_flash_attn_varlen_forward/_backward: flash_attn_varlen_func's results for the
+    same seed; seqused_k and leftpad_k read a part of each sequence's keys, as the
+    packed keys of just that part do."""
+    hq, hkv, d = 4, 2, 8
+    cu_q, cu_k = cumulative(LENS_Q), cumulative(LENS_K)
+    q = randn(sum(LENS_Q), hq, d, generator=gen)
+    k, v = (randn(sum(LENS_K), hkv, d, generator=gen) for _ in range(2))
+    w = randn(sum(LENS_Q), hq, d, generator=gen)
+    args = (cu_q, cu_k, max(LENS_Q), max(LENS_K), 0.2, None, True)
+    torch.manual_seed(3)
+    out, lse, _, rng_state = fa._flash_attn_varlen_forward(q, k, v, *args)
+    torch.manual_seed(3)
+    ref_out, ref_lse, _ = fa.flash_attn_varlen_func(
+        q, k, v, *args[:5], causal=True, return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    torch.manual_seed(3)
+    _, grads = training_step(
+        lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, *args[:5], causal=True),
+        (q, k, v), w)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    softmax_d = fa._flash_attn_varlen_backward(
+        w, q, k, v, out, lse, dq, dk, dv, *args, -1, -1, 0.0, None, False, rng_state)
+    for got, ref, name in zip((dq, dk, dv), grads, ("dq", "dk", "dv")):
+        assert_close(got, ref, torch.float64, what=name)
+    assert softmax_d.shape == (hq, sum(LENS_Q))
+    # Keys 1.. of sequence 0, 0..1 of sequence 1 and 2..5 of sequence 2.
+    pad, used = torch.tensor([1, 0, 2]), torch.tensor([4, 2, 6])
+    part = [torch.arange(cu_k[s] + pad[s], cu_k[s] + used[s]) for s in range(3)]
+    rows = torch.cat(part)
+    cu_part = cumulative([len(p) for p in part])
+    got = fa._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), 0.0,
+                                        None, True, leftpad_k=pad, seqused_k=used)[0]
+    ref = fa.flash_attn_varlen_func(q, k[rows], v[rows], cu_q, cu_part, max(LENS_Q),
+                                    max(LENS_K), causal=True)
+    assert torch.equal(got, ref)
+    with pytest.raises(RuntimeError, match="leftpad_k"):
+        fa._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), 0.0,
+                                      None, True, leftpad_k=torch.tensor([5, 0, 0]))
+
+
+def test_private_entry_points_name_bad_arguments(gen):
+    q, k, v = (randn(1, 4, 2, 8, generator=gen) for _ in range(3))
+    out, lse, _, rng_state = fa._flash_attn_forward(q, k, v, 0.0, None, False, -1, -1, 0.0,
+                                                    None, False)
+    bad = r"dq: expected shape \[1, 4, 2, 8\], got \[1, 4, 2, 4\]"
+    with pytest.raises(RuntimeError, match=bad):
+        fa._flash_attn_backward(q, q, k, v, out, lse, q[..., :4].clone(), None, None, 0.0, None,
+                                False, -1, -1, 0.0, None, False, rng_state)
+    with pytest.raises(RuntimeError, match="rng_state"):
+        fa._flash_attn_backward(q, q, k, v, out, lse, None, None, None, 0.0, None, False, -1,
+                                -1, 0.0, None, False, rng_state[None])
+    with pytest.raises(RuntimeError, match="q: expected"):
+        fa._flash_attn_forward(q[0], k, v, 0.0, None, False, -1, -1, 0.0, None, False)

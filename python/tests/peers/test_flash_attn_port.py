@@ -1451,12 +1451,36 @@ def test_flash_attn_varlen_deterministic(seqlen_q, seqlen_k, swap_sq_sk, d, caus
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_flash_attn_varlen_paged_kv_num_splits(dtype):
-    pytest.skip(
-        "CUDA-only: checks the private flash_attn_interface._flash_attn_varlen_forward (with "
-        "seqused_k) and its split-KV num_splits semantics (num_splits=0 bitwise equal to the "
-        "default, num_splits > 1 refused); qkv.flash_attn replaces the public API only, and "
-        "its functions ignore num_splits"
+    """The original's check of the private varlen forward on a paged cache with seqused_k:
+    num_splits=0 is the default bit for bit, num_splits > 1 is refused."""
+    from qkv.flash_attn import _flash_attn_varlen_forward
+
+    torch.manual_seed(0)
+    num_heads, num_heads_k, head_dim, page_block_size = 4, 2, 64, 256
+    scale = head_dim**-0.5
+    batch_size, kv_lens = 2, [512, 1024]
+    max_seqlen_k = max(kv_lens)
+    total_blocks = batch_size * (max_seqlen_k // page_block_size)
+    k_cache = torch.randn(total_blocks, page_block_size, num_heads_k, head_dim, dtype=dtype)
+    v_cache = torch.randn(total_blocks, page_block_size, num_heads_k, head_dim, dtype=dtype)
+    block_table = torch.randperm(total_blocks, dtype=torch.int32).reshape(batch_size, -1)
+    q = torch.randn(batch_size, num_heads, head_dim, dtype=dtype)
+    cu_seqlens_q = torch.arange(batch_size + 1, dtype=torch.int32)
+    seqused_k = torch.tensor(kv_lens, dtype=torch.int32)
+    cu_seqlens_k = torch.nn.functional.pad(seqused_k.cumsum(0), (1, 0)).to(torch.int32)
+    fwd_kwargs = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=1, max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0, softmax_scale=scale,
+        causal=False, window_size_left=-1, window_size_right=0,
+        block_table=block_table, seqused_k=seqused_k,
     )
+    out_default = _flash_attn_varlen_forward(q, k_cache, v_cache, **fwd_kwargs)[0]
+    out_explicit = _flash_attn_varlen_forward(q, k_cache, v_cache, **fwd_kwargs, num_splits=0)[0]
+    assert not out_default.isnan().any(), "num_splits=0 (default) produced NaN"
+    assert torch.equal(out_default, out_explicit), "num_splits=0 differs from the default"
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
+        _flash_attn_varlen_forward(q, k_cache, v_cache, **fwd_kwargs, num_splits=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
