@@ -167,4 +167,30 @@ TEST(BackwardValidation, BaseCaseIsValid) {
   EXPECT_EQ(error_of(c), "");
 }
 
+// The parameter rows decide what a call's backward computes: the used
+// parameters' gradients, in the rows' order, with the shapes the allocating
+// overload returns and the _into overload requires.
+TEST(BackwardValidation, ParameterGradientsFollowTheRows) {
+  Call c;
+  EXPECT_TRUE(qkv::parameter_gradients(c.q, c.k, c.v, c.options).empty());
+  const std::vector<float> sinks = {0.5f, -1.0f, 0.0f, 2.0f};
+  c.options.sinks = sinks;
+  c.options.relative_bias.table = c.table;
+  const std::vector<qkv::ParameterGradient> used =
+      qkv::parameter_gradients(c.q, c.k, c.v, c.options);
+  ASSERT_EQ(used.size(), 2u);
+  EXPECT_STREQ(used[0].name, "d_relative_bias");
+  EXPECT_EQ(used[0].sizes, (std::vector<std::int64_t>{4, 8}));
+  EXPECT_STREQ(used[1].name, "d_sinks");
+  EXPECT_EQ(used[1].sizes, (std::vector<std::int64_t>{4}));
+  EXPECT_EQ(used[1].dtype, DType::f32);
+  const qkv::AttentionGradients g =
+      qkv::attention_backward(c.q, c.k, c.v, {}, c.dout, {}, c.options);
+  EXPECT_EQ(g.d_relative_bias.size(0), 4);
+  EXPECT_EQ(g.d_relative_bias.size(1), 8);
+  EXPECT_EQ(g.d_sinks.size(0), 4);
+  EXPECT_FALSE(g.d_additive_w_q.defined());
+  EXPECT_THROW(qkv::parameter_gradients(c.q, c.k, c.dout, c.options), qkv::Error);
+}
+
 }  // namespace

@@ -387,8 +387,8 @@ TEST(QuantizedCache, BadConfigsThrowNamingTheField) {
   c.value_storage = static_cast<KvStorage>(9);
   e = error_of([&] { KvCache cache(c); });
   ASSERT_TRUE(e.has_value());
-  expect_contains(e->what(), {"config.value_storage: expected automatic, f32, bf16, f16, q8_0 or "
-                              "q4_0, got value 9"});
+  expect_contains(e->what(), {"config.value_storage: expected one of auto, f32, bf16, f16, "
+                              "q8_0, q4_0, got value 9"});
   // Both storages given: the dtype is not used, so f64 is not refused.
   c.value_storage = KvStorage::q8_0;
   c.dtype = DType::f64;

@@ -9,15 +9,9 @@
 //   v, dv   [B, Nk, Hkv, Dv]      dtype of q
 //   out, dout [B, Nq, Hq, Dv]     dtype of q
 //   lse     [B, Hq, Nq]           f32 (f64 for f64 inputs), from the forward
-// Parameter gradients are f32 (f64 for f64 inputs), shaped like the
-// parameter:
-//   d_relative_bias   [Hq, num_buckets]   when options.relative_bias is set
-//   d_additive_w_q    [A, Dq]             Score::additive
-//   d_additive_w_k    [A, Dk]             Score::additive
-//   d_additive_v      [A]                 Score::additive
-//   d_additive_bias   [A]                 Score::additive with a bias
-//   d_sinks           [Hq]                when options.sinks is set:
-//                     dL/dS_h = -sum_(b, i) e^(S_h - lse_bhi) D_bhi
+// Parameter gradients (the rows of QKV_ATTENTION_PARAMETERS below) are f32
+// (f64 for f64 inputs), shaped like the parameter, e.g. d_sinks [Hq]:
+// dL/dS_h = -sum_(b, i) e^(S_h - lse_bhi) D_bhi.
 // With GQA/MQA, dk and dv sum the contributions of every query head that
 // reads the KV head. Keys a row never attends to, and rows with no admitted
 // key, get zero gradient (never NaN). The options must be those of the
@@ -50,23 +44,51 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "qkv/attention.hpp"
 
 namespace qkv {
 
+// Sizes a parameter gradient's shape is made of (the rows' `s`).
+struct ParameterSizes {
+  std::int64_t hq = 0;              // query heads
+  std::int64_t dq = 0;              // q's head dimension
+  std::int64_t dk = 0;              // k's head dimension
+  std::int64_t attention_size = 0;  // A of Score::additive
+  std::int64_t num_buckets = 0;     // relative_bias.table.size(1)
+};
+
+// The learnable parameters, one row each: X(gradient, sizes, used, option,
+// doc). `gradient` names the gradient's field in AttentionGradients and
+// GradientOutputs (and in Python); `sizes` is its shape, a parenthesized list
+// of expressions of ParameterSizes `s`; `used` says, from the options `o`,
+// when the call uses the parameter (its gradient is then computed, and
+// required by attention_backward_into); `option` names the parameter in
+// messages. Every parameter gradient is f32 (f64 for f64 inputs). The
+// allocation, the validation and the Python results derive from these rows.
+#define QKV_ATTENTION_PARAMETERS(X)                                                               \
+  X(d_relative_bias, (s.hq, s.num_buckets), o.relative_bias.table.defined(),                      \
+    "relative_bias.table", "[Hq, num_buckets]: the learned bias by relative position")            \
+  X(d_additive_w_q, (s.attention_size, s.dq), o.score == Score::additive, "Score::additive",      \
+    "[A, Dq]: additive.w_q")                                                                      \
+  X(d_additive_w_k, (s.attention_size, s.dk), o.score == Score::additive, "Score::additive",      \
+    "[A, Dk]: additive.w_k")                                                                      \
+  X(d_additive_v, (s.attention_size), o.score == Score::additive, "Score::additive",              \
+    "[A]: additive.v")                                                                            \
+  X(d_additive_bias, (s.attention_size), o.score == Score::additive && o.additive.bias.defined(), \
+    "additive.bias", "[A]: additive.bias")                                                        \
+  X(d_sinks, (s.hq), !o.sinks.empty(), "sinks", "[Hq]: the sinks' logits")
+
 // Gradients returned by the allocating overload; parameter gradients are
 // undefined when the options do not use the parameter.
 struct AttentionGradients {
-  Tensor dq;               // [B, Nq, Hq, Dq]
-  Tensor dk;               // [B, Nk, Hkv, Dk]
-  Tensor dv;               // [B, Nk, Hkv, Dv]
-  Tensor d_relative_bias;  // [Hq, num_buckets]
-  Tensor d_additive_w_q;   // [A, Dq]
-  Tensor d_additive_w_k;   // [A, Dk]
-  Tensor d_additive_v;     // [A]
-  Tensor d_additive_bias;  // [A]
-  Tensor d_sinks;          // [Hq]
+  Tensor dq;  // [B, Nq, Hq, Dq]
+  Tensor dk;  // [B, Nk, Hkv, Dk]
+  Tensor dv;  // [B, Nk, Hkv, Dv]
+#define QKV_PARAMETER_TENSOR(gradient, sizes, used, option, doc) Tensor gradient;
+  QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_TENSOR)
+#undef QKV_PARAMETER_TENSOR
 };
 
 // Caller-provided gradient views. dq, dk, dv are required; each parameter
@@ -74,16 +96,27 @@ struct AttentionGradients {
 // overwritten (not accumulated into), must not overlap the inputs or each
 // other, and may have any strides.
 struct GradientOutputs {
-  TensorView dq = {};               // [B, Nq, Hq, Dq], dtype of q
-  TensorView dk = {};               // [B, Nk, Hkv, Dk], dtype of q
-  TensorView dv = {};               // [B, Nk, Hkv, Dv], dtype of q
-  TensorView d_relative_bias = {};  // [Hq, num_buckets], f32 (f64 for f64 inputs)
-  TensorView d_additive_w_q = {};   // [A, Dq], f32 (f64)
-  TensorView d_additive_w_k = {};   // [A, Dk], f32 (f64)
-  TensorView d_additive_v = {};     // [A], f32 (f64)
-  TensorView d_additive_bias = {};  // [A], f32 (f64); only with a bias
-  TensorView d_sinks = {};          // [Hq], f32 (f64); only with sinks
+  TensorView dq = {};  // [B, Nq, Hq, Dq], dtype of q
+  TensorView dk = {};  // [B, Nk, Hkv, Dk], dtype of q
+  TensorView dv = {};  // [B, Nk, Hkv, Dv], dtype of q
+#define QKV_PARAMETER_VIEW(gradient, sizes, used, option, doc) TensorView gradient = {};
+  QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_VIEW)
+#undef QKV_PARAMETER_VIEW
 };
+
+// A parameter gradient that a call computes: its row's name and its shape.
+struct ParameterGradient {
+  const char* name = "";            // the row's gradient, e.g. "d_sinks"
+  std::vector<std::int64_t> sizes;  // its shape
+  DType dtype = DType::f32;         // f32 (f64 for f64 inputs)
+};
+
+// The parameter gradients that attention_backward computes for these inputs
+// and options, in the rows' order: what attention_backward_into needs.
+// Throws qkv::Error on invalid input.
+std::vector<ParameterGradient> parameter_gradients(ConstTensorView q, ConstTensorView k,
+                                                   ConstTensorView v,
+                                                   const AttentionOptions& options = {});
 
 // Computes the gradients and returns freshly allocated tensors.
 // Throws qkv::Error (listing every problem) on invalid input.

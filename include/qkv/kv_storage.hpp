@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
 
 namespace qkv {
 
@@ -23,16 +26,34 @@ namespace qkv {
 // |x| <= 65504 * 127 (q8_0) or 65504 * 8 (q4_0; keys rotated by RoPE: the
 // input within that / sqrt(2)); an append of any other value throws,
 // changing nothing.
+// The storages, one row each: X(enumerator, name, dtype_name, doc). `name`
+// is qkv's short name (messages, `qkv bench`), `dtype_name` PyTorch's
+// spelling that the Python API takes ("" for automatic).
+#define QKV_KV_STORAGES(X)                                    \
+  X(automatic, "auto", "", "KvCacheConfig::dtype")            \
+  X(f32, "f32", "float32", "IEEE single")                     \
+  X(bf16, "bf16", "bfloat16", "bfloat16 (round to nearest)")  \
+  X(f16, "f16", "float16", "IEEE half (round to nearest)")    \
+  X(q8_0, "q8_0", "q8_0", "ggml's 8-bit blocks of 32 values") \
+  X(q4_0, "q4_0", "q4_0", "ggml's 4-bit blocks of 32 values")
+
 enum class KvStorage : std::uint8_t {
-  automatic,  // KvCacheConfig::dtype
-  f32,
-  bf16,
-  f16,
-  q8_0,
-  q4_0,
+#define QKV_KV_STORAGE_ENUMERATOR(enumerator, name, dtype_name, doc) enumerator,
+  QKV_KV_STORAGES(QKV_KV_STORAGE_ENUMERATOR)
+#undef QKV_KV_STORAGE_ENUMERATOR
 };
-// "auto", "f32", "bf16", "f16", "q8_0", "q4_0".
+// Whether `storage` is one of the rows (a KvStorage may hold any byte).
+bool is_storage(KvStorage storage);
+// The row's name: "auto", "f32", "bf16", "f16", "q8_0", "q4_0" ("?" for a
+// value that is no row).
 const char* storage_name(KvStorage storage);
+// The row's dtype_name ("" for automatic); nullptr for a value that is no row.
+const char* storage_dtype_name(KvStorage storage);
+// The storage whose dtype_name is `dtype_name` (not ""); nullopt if none.
+std::optional<KvStorage> storage_of_dtype_name(std::string_view dtype_name);
+// Every row's `name`, or `dtype_name` (skipping automatic's ""), joined by
+// ", ": for messages that list what is accepted.
+std::string storage_names(bool dtype_names);
 // Bytes of n values in `storage` (not automatic; quantized: n % 32 == 0):
 // 4n, 2n, 2n, 34n / 32, 18n / 32.
 std::int64_t stored_bytes(KvStorage storage, std::int64_t n);

@@ -11,6 +11,7 @@ FlashAttention 2's functions, both differentiable. See docs/python.md.
 from ._api import (
     Additive,
     AttentionGradients,
+    PARAMETER_GRADIENTS,
     AttentionResult,
     KvCache,
     LinearAttentionState,
@@ -37,6 +38,7 @@ __all__ = [
     "Additive",
     "ArgumentError",
     "AttentionGradients",
+    "PARAMETER_GRADIENTS",
     "AttentionResult",
     "KvCache",
     "LinearAttentionState",

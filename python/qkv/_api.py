@@ -5,6 +5,7 @@ same kind of array, written by the kernels in place (no copies)."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple, Optional, Tuple
 
 from . import _arrays
@@ -85,16 +86,19 @@ class AttentionResult(NamedTuple):
     probs: Any  # [B, Hq, Nq, Nk] float32 (float64), or None
 
 
-class AttentionGradients(NamedTuple):
-    dq: Any  # [B, Nq, Hq, Dq], dtype of q
-    dk: Any  # [B, Nk, Hkv, Dk]
-    dv: Any  # [B, Nk, Hkv, Dv]
-    d_rel_bias: Any  # [Hq, num_buckets] float32, with rel_bias
-    d_additive_w_q: Any  # [A, Dq] float32, with score="additive"
-    d_additive_w_k: Any  # [A, Dk]
-    d_additive_v: Any  # [A]
-    d_additive_bias: Any  # [A], with an additive bias
-    d_sinks: Any  # [Hq] float32, with sinks
+# The learnable parameters' gradients, named and ordered by qkv's rows
+# (QKV_ATTENTION_PARAMETERS in qkv/backward.hpp): d_relative_bias,
+# d_additive_w_q, d_additive_w_k, d_additive_v, d_additive_bias, d_sinks.
+PARAMETER_GRADIENTS: Tuple[str, ...] = tuple(_qkv.parameter_gradient_names)
+
+AttentionGradients = collections.namedtuple(
+    "AttentionGradients", ("dq", "dk", "dv") + PARAMETER_GRADIENTS,
+    defaults=(None,) * len(PARAMETER_GRADIENTS))
+AttentionGradients.__doc__ = (
+    "Gradients of attention: dq [B, Nq, Hq, Dq], dk [B, Nk, Hkv, Dk] and dv [B, Nk, Hkv, Dv] "
+    "in the dtype of q, then one field per learnable parameter (PARAMETER_GRADIENTS), float32 "
+    "(float64 for float64 q) and shaped like the parameter, or None when the options do not "
+    "use it.")
 
 
 def _window(window) -> dict:
@@ -245,47 +249,27 @@ def attention_backward(q, k, v, out, dout, lse, **options) -> AttentionGradients
     options must be the forward's. out and lse may both be None: the
     backward then computes them (without a forward pass for score="additive"
     with key_lengths as the one mask). Returns AttentionGradients(dq, dk, dv,
-    d_rel_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
+    d_relative_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
     d_additive_bias, d_sinks); the parameter gradients are None unless used."""
-    o = _options(**options)
-    return attention_backward_with(q, k, v, out, dout, lse, o,
-                                   additive=options.get("additive"),
-                                   rel_bias=options.get("rel_bias", options.get("relative_bias")),
-                                   sinks=options.get("sinks"))
+    return attention_backward_with(q, k, v, out, dout, lse, _options(**options))
 
 
-def attention_backward_with(q, k, v, out, dout, lse, o, *, additive=None, rel_bias=None,
-                            sinks=None, grads=None) -> AttentionGradients:
+def attention_backward_with(q, k, v, out, dout, lse, o, *, grads=None) -> AttentionGradients:
     """attention_backward() with prepared options; `grads`, when given, is a
     (dq, dk, dv) triple that receives the gradients."""
     if grads is None:
         dq, dk, dv = empty(q, q.shape), empty(q, k.shape), empty(q, v.shape)
     else:
         dq, dk, dv = grads
-    d_rel = d_wq = d_wk = d_v = d_b = d_sinks = None
-    if rel_bias is not None:
-        table = rel_bias.table if isinstance(rel_bias, RelativeBias) else rel_bias
-        d_rel = empty(q, table.shape, "stat")
-    if additive is not None:
-        if not isinstance(additive, Additive):
-            additive = Additive(*additive)
-        d_wq = empty(q, additive.w_q.shape, "stat")
-        d_wk = empty(q, additive.w_k.shape, "stat")
-        d_v = empty(q, additive.v.shape, "stat")
-        if additive.bias is not None:
-            d_b = empty(q, additive.bias.shape, "stat")
-    if sinks is not None:
-        d_sinks = empty(q, (len(sinks),), "stat")
+    shapes = _run(_qkv.parameter_gradients, native(q, "q"), native(k, "k"), native(v, "v"), o)
+    parameters = {name: empty(q, shape, "stat") for name, shape in shapes}
     _run(
         _qkv.attention_backward_into,
         native(q, "q"), native(k, "k"), native(v, "v"), optional_native(out, "out"),
         native(dout, "dout"), optional_native(lse, "lse"), native(dq, "dq"), native(dk, "dk"),
-        native(dv, "dv"), optional_native(d_rel, "d_rel_bias"),
-        optional_native(d_wq, "d_additive_w_q"), optional_native(d_wk, "d_additive_w_k"),
-        optional_native(d_v, "d_additive_v"), optional_native(d_b, "d_additive_bias"),
-        optional_native(d_sinks, "d_sinks"), o,
+        native(dv, "dv"), {name: native(t, name) for name, t in parameters.items()}, o,
     )
-    return AttentionGradients(dq, dk, dv, d_rel, d_wq, d_wk, d_v, d_b, d_sinks)
+    return AttentionGradients(dq, dk, dv, **parameters)
 
 
 class KvCache(_qkv.KvCache):

@@ -37,7 +37,12 @@ torch.library.define("qkv::attention",
 torch.library.define(
     "qkv::attention_backward",
     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse{_arguments()}) "
-    "-> (Tensor, Tensor, Tensor, Tensor)")
+    f"-> (Tensor, Tensor, Tensor{', Tensor' * len(_api.PARAMETER_GRADIENTS)})")
+
+# The operator tensor each parameter gradient belongs to: d_X is X's (d_sinks: sinks); the
+# parameters the operator cannot carry (relative_bias, additive) have none.
+_PARAMETER_TENSORS = {name: name[2:] for name in _api.PARAMETER_GRADIENTS
+                      if name[2:] in _TENSORS}
 
 
 @torch.library.impl("qkv::attention", "cpu")
@@ -57,20 +62,26 @@ def _(q, k, v, *tensors, **options):
 
 @torch.library.impl("qkv::attention_backward", "cpu")
 def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        *tensors, **options) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d_sinks); d_sinks is empty without sinks (an operator's
-    outputs cannot be None)."""
-    named = dict(zip(_TENSORS, tensors))
-    o = _api._options(**named, **options)
-    g = _api.attention_backward_with(q, k, v, out, dout, lse, o, sinks=named.get("sinks"))
-    return g.dq, g.dk, g.dv, lse.new_empty((0,)) if g.d_sinks is None else g.d_sinks
+                        *tensors, **options) -> Tuple[Tensor, ...]:
+    """(dq, dk, dv, then one gradient per qkv.PARAMETER_GRADIENTS); a parameter the options
+    do not use has an empty gradient (an operator's outputs cannot be None; each output is a
+    Tensor, not a list, so that vmap's per-sample fallback applies)."""
+    o = _api._options(**dict(zip(_TENSORS, tensors)), **options)
+    g = _api.attention_backward_with(q, k, v, out, dout, lse, o)
+    empty = lse.new_empty((0,))
+    parameters = [empty if getattr(g, name) is None else getattr(g, name)
+                  for name in _api.PARAMETER_GRADIENTS]
+    return (g.dq, g.dk, g.dv, *parameters)
 
 
 @torch.library.register_fake("qkv::attention_backward")
 def _(dout, q, k, v, out, lse, *tensors, **options):
-    sinks = dict(zip(_TENSORS, tensors)).get("sinks")
-    d_sinks = lse.new_empty((0,) if sinks is None else sinks.shape)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_sinks
+    named = dict(zip(_TENSORS, tensors))
+    parameters = []
+    for name in _api.PARAMETER_GRADIENTS:
+        parameter = named.get(_PARAMETER_TENSORS.get(name))
+        parameters.append(lse.new_empty((0,) if parameter is None else parameter.shape))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *parameters)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -112,12 +123,14 @@ def _backward(ctx, dout, dlse):
     tensors = dict(zip(_TENSORS, saved))
     if dout is None:
         return (None,) * (3 + len(_TENSORS))
-    dq, dk, dv, d_sinks = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out, lse,
-                                                           **tensors, **ctx.options)
+    dq, dk, dv, *parameters = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out,
+                                                               lse, **tensors, **ctx.options)
     grads = {}
-    sinks = tensors.get("sinks")
-    if sinks is not None and ctx.needs_input_grad[3 + _TENSORS.index("sinks")]:
-        grads["sinks"] = d_sinks.to(sinks.dtype)
+    for name, gradient in zip(_api.PARAMETER_GRADIENTS, parameters):
+        tensor = _PARAMETER_TENSORS.get(name)
+        parameter = tensors.get(tensor)
+        if parameter is not None and ctx.needs_input_grad[3 + _TENSORS.index(tensor)]:
+            grads[tensor] = gradient.to(parameter.dtype)
     mask = tensors.get("mask")
     if mask is not None and ctx.needs_input_grad[3 + _TENSORS.index("mask")]:
         grads["mask"] = _mask_gradient(ctx, dout, q, k, v, out, mask, tensors)

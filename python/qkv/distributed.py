@@ -294,7 +294,7 @@ def _gradients(function: str, q, k, v, out, dout, lse, comm, layout: Optional[st
         dq, dk, dv, d_sinks = call.backward(q, k, v, out, dout, lse)
     except TypeError as error:
         _fail(handle, function, error)
-    return AttentionGradients(dq, dk, dv, None, None, None, None, None, d_sinks)
+    return AttentionGradients(dq, dk, dv, d_sinks=d_sinks)
 
 
 def ring_attention(
@@ -388,7 +388,7 @@ def ring_attention_backward(
     (what autograd runs; for NumPy arrays). Collective. Takes this rank's
     shards of q, k, v, the forward's out and lse (return_lse=True) and dout =
     dLoss/dout [B, nq, Hq, Dv], with the forward's layout and options.
-    Returns AttentionGradients(dq, dk, dv, None, ..., d_sinks): this rank's
+    Returns AttentionGradients(dq, dk, dv, d_sinks=...): this rank's
     shards, dtype of q, and with sinks d_sinks [Hq] of the whole problem
     (every rank's rows; the same on every rank). Bitwise deterministic for a given rank count, layout and
     thread count."""

@@ -8,11 +8,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 #include <omp.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arrays.hpp"
@@ -37,27 +39,50 @@ void attention_into_py(const In& q, const In& k, const In& v, const Out& out,
   attention_into(qv, kv, vv, outputs, o);
 }
 
+// The names of the parameter gradients, in the rows' order.
+std::vector<std::string> parameter_gradient_names() {
+  return {
+#define QKV_PARAMETER_NAME(gradient, sizes, used, option, doc) #gradient,
+      QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_NAME)
+#undef QKV_PARAMETER_NAME
+  };
+}
+
+// (name, shape) of each parameter gradient the call computes.
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_gradients_py(
+    const In& q, const In& k, const In& v, const Options& options) {
+  const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> result;
+  for (const ParameterGradient& g : parameter_gradients(qv, kv, vv, options.to_cpp())) {
+    result.emplace_back(g.name, g.sizes);
+  }
+  return result;
+}
+
 void attention_backward_into_py(const In& q, const In& k, const In& v, const std::optional<In>& out,
                                 const In& dout, const std::optional<In>& lse, const Out& dq,
-                                const Out& dk, const Out& dv, const std::optional<Out>& d_rel_bias,
-                                const std::optional<Out>& d_additive_w_q,
-                                const std::optional<Out>& d_additive_w_k,
-                                const std::optional<Out>& d_additive_v,
-                                const std::optional<Out>& d_additive_bias,
-                                const std::optional<Out>& d_sinks, const Options& options) {
+                                const Out& dk, const Out& dv, const nb::dict& parameter_grads,
+                                const Options& options) {
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v"),
                         ov = view_of(out, "out"), dov = view_of(dout, "dout"),
                         lv = view_of(lse, "lse");
   const AttentionOptions o = options.to_cpp();
-  const GradientOutputs grads{view_of(dq, "dq"),
-                              view_of(dk, "dk"),
-                              view_of(dv, "dv"),
-                              view_of(d_rel_bias, "d_rel_bias"),
-                              view_of(d_additive_w_q, "d_additive_w_q"),
-                              view_of(d_additive_w_k, "d_additive_w_k"),
-                              view_of(d_additive_v, "d_additive_v"),
-                              view_of(d_additive_bias, "d_additive_bias"),
-                              view_of(d_sinks, "d_sinks")};
+  GradientOutputs grads{.dq = view_of(dq, "dq"), .dk = view_of(dk, "dk"), .dv = view_of(dv, "dv")};
+  for (auto [key, value] : parameter_grads) {
+    const std::string name = nb::cast<std::string>(key);
+    const Out array = nb::cast<Out>(value);
+#define QKV_PARAMETER_OUTPUT(gradient, sizes, used, option, doc) \
+  if (name == #gradient) {                                       \
+    grads.gradient = view_of(array, #gradient);                  \
+    continue;                                                    \
+  }
+    QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_OUTPUT)
+#undef QKV_PARAMETER_OUTPUT
+    std::string known;
+    for (const std::string& n : parameter_gradient_names())
+      known += (known.empty() ? "" : ", ") + n;
+    throw Error("parameter_grads: expected names among " + known + ", got '" + name + "'");
+  }
   nb::gil_scoped_release release;
   attention_backward_into(qv, kv, vv, ov, dov, lv, grads, o);
 }
@@ -77,33 +102,16 @@ DType storage_dtype(const std::string& s) {
   throw Error("dtype: expected 'float32', 'bfloat16' or 'float16', got '" + s + "'");
 }
 
-// A KvCache's key or value storage by name; empty: the cache's dtype.
+// A KvCache's key or value storage by its dtype name; None: the cache's dtype.
 KvStorage kv_storage(const std::optional<std::string>& s, const char* name) {
   if (!s) return KvStorage::automatic;
-  if (*s == "float32") return KvStorage::f32;
-  if (*s == "bfloat16") return KvStorage::bf16;
-  if (*s == "float16") return KvStorage::f16;
-  if (*s == "q8_0") return KvStorage::q8_0;
-  if (*s == "q4_0") return KvStorage::q4_0;
-  throw Error(std::string(name) +
-              ": expected 'float32', 'bfloat16', 'float16', 'q8_0', 'q4_0' or None (dtype), got '" +
-              *s + "'");
+  if (const std::optional<KvStorage> storage = storage_of_dtype_name(*s)) return *storage;
+  throw Error(std::string(name) + ": expected one of " + storage_names(true) +
+              " or None (dtype), got '" + *s + "'");
 }
 
-const char* kv_storage_name(KvStorage s) {
-  switch (s) {
-    case KvStorage::bf16:
-      return "bfloat16";
-    case KvStorage::f16:
-      return "float16";
-    case KvStorage::q8_0:
-      return "q8_0";
-    case KvStorage::q4_0:
-      return "q4_0";
-    default:
-      return "float32";
-  }
-}
+// The dtype name of a storage the cache resolved (never automatic).
+const char* kv_storage_name(KvStorage s) { return storage_dtype_name(s); }
 
 FeatureMap parse_feature_map(const std::string& s) {
   if (s == "elu_plus_one") return FeatureMap::elu_plus_one;
@@ -214,11 +222,13 @@ NB_MODULE(_qkv, m) {
         "The backward of sdpa_exchange: (dq, dk, dv) in the inputs' layouts, or None when that "
         "path does not apply.");
   m.def("attention_backward_into", &attention_backward_into_py, "q"_a, "k"_a, "v"_a, "out"_a.none(),
-        "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "d_rel_bias"_a.none(),
-        "d_additive_w_q"_a.none(), "d_additive_w_k"_a.none(), "d_additive_v"_a.none(),
-        "d_additive_bias"_a.none(), "d_sinks"_a.none(), "options"_a,
-        "Gradients of attention into dq, dk, dv (dtype of q) and the parameter gradients "
-        "the options use.");
+        "dout"_a, "lse"_a.none(), "dq"_a, "dk"_a, "dv"_a, "parameter_grads"_a, "options"_a,
+        "Gradients of attention into dq, dk, dv (dtype of q) and, from parameter_grads (a dict "
+        "by the names of parameter_gradient_names), the parameter gradients the options use.");
+  m.def("parameter_gradients", &parameter_gradients_py, "q"_a, "k"_a, "v"_a, "options"_a,
+        "[(name, shape)] of the parameter gradients attention_backward computes for these "
+        "inputs and options (float32, float64 for float64 inputs), in the rows' order.");
+  m.attr("parameter_gradient_names") = nb::tuple(nb::cast(parameter_gradient_names()));
 
   nb::class_<KvCache>(m, "KvCache",
                       "A key/value cache for decoding (qkv/kv_cache.hpp): contiguous "

@@ -253,6 +253,46 @@ def test_backward_without_out_and_lse_runs_the_forward():
         qkv.attention_backward(q, k, v, None, dout, r.lse, causal=True)
 
 
+def test_parameter_gradients_take_the_rows_names():
+    # AttentionGradients' fields are dq, dk, dv and then C++'s parameter rows,
+    # under C++'s names; each is there exactly when the options use it.
+    assert qkv.AttentionGradients._fields == ("dq", "dk", "dv") + qkv.PARAMETER_GRADIENTS
+    assert qkv.PARAMETER_GRADIENTS[0] == "d_relative_bias" and "d_sinks" in qkv.PARAMETER_GRADIENTS
+    q, k, v = (x.astype(np.float64) for x in problem())
+    dout = rand(2, 5, 4, 6).astype(np.float64)
+    table = rand(4, 8).astype(np.float64)
+    sinks = rand(4).astype(np.float64)
+    options = dict(rel_bias=qkv.RelativeBias(table, 16, True), sinks=sinks, causal=True)
+    r = qkv.attention(q, k, v, return_lse=True, **options)
+    g = qkv.attention_backward(q, k, v, r.out, dout, r.lse, **options)
+    assert g.d_relative_bias.shape == (4, 8) and g.d_sinks.shape == (4,)
+    assert g.d_additive_w_q is None and g.d_additive_bias is None
+
+    # d_relative_bias by central differences of L = <out, dout> (float64:
+    # the step 1e-6 leaves a truncation and rounding error near 1e-9).
+    def loss(t):
+        out = qkv.attention(q, k, v, **{**options, "rel_bias": qkv.RelativeBias(t, 16, True)})
+        return float((out * dout).sum())
+
+    for h, bucket in ((0, 0), (3, 5), (2, 7)):
+        step = np.zeros_like(table)
+        step[h, bucket] = 1e-6
+        numeric = (loss(table + step) - loss(table - step)) / 2e-6
+        assert abs(g.d_relative_bias[h, bucket] - numeric) <= 1e-7 * (1 + abs(numeric))
+
+
+def test_parameter_gradient_outputs_are_named_by_the_rows():
+    from qkv import _qkv
+
+    q, k, v = problem()
+    o = _qkv.Options()
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    with pytest.raises(ValueError, match="parameter_grads: expected names among d_relative_bias"):
+        _qkv.attention_backward_into(q, k, v, None, rand(2, 5, 4, 6), None, dq, dk, dv,
+                                     {"d_rel_bias": np.empty((4, 8), np.float32)}, o)
+    assert _qkv.parameter_gradients(q, k, v, o) == []
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_kv_cache_decode_matches_causal_attention(paged):
     b, hkv, d, n = 2, 2, 8, 9

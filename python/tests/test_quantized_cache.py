@@ -70,8 +70,8 @@ def test_decoding_reads_the_dequantized_values(k_dtype, v_dtype):
 
 
 def test_bad_arguments_raise_value_error_naming_them():
-    with pytest.raises(ValueError, match="k_dtype: expected 'float32', 'bfloat16', 'float16', "
-                                         "'q8_0', 'q4_0' or None"):
+    with pytest.raises(ValueError, match="k_dtype: expected one of float32, bfloat16, float16, "
+                                         "q8_0, q4_0 or None"):
         qkv.KvCache(1, 1, 32, capacity=4, k_dtype="q5_0")
     with pytest.raises(ValueError, match="config.value_storage: q4_0 stores blocks of 32 values: "
                                          "expected value_dim a multiple of 32, got 40"):

@@ -1,11 +1,14 @@
 // Entry points of qkv::attention_backward: validate, allocate, dispatch once.
 #include "qkv/backward.hpp"
 
+#include <vector>
+
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/isa.hpp"
+#include "core/parameters.hpp"
 #include "core/philox.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
@@ -141,20 +144,8 @@ AttentionGradients attention_backward(ConstTensorView q, ConstTensorView k, Cons
   g.dq = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dq});
   g.dk = Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.dk});
   g.dv = Tensor(p.dtype, {p.batch, p.nk, p.hkv, p.dv});
-  if (o.relative_bias.table.defined()) {
-    g.d_relative_bias = Tensor(p.stat_dtype, {p.hq, o.relative_bias.table.size(1)});
-  }
-  if (o.score == Score::additive) {
-    g.d_additive_w_q = Tensor(p.stat_dtype, {p.attention_size, p.dq});
-    g.d_additive_w_k = Tensor(p.stat_dtype, {p.attention_size, p.dk});
-    g.d_additive_v = Tensor(p.stat_dtype, {p.attention_size});
-    if (o.additive.bias.defined()) g.d_additive_bias = Tensor(p.stat_dtype, {p.attention_size});
-  }
-  if (!o.sinks.empty()) g.d_sinks = Tensor(p.stat_dtype, {p.hq});
-  run(p, q, k, v, out, dout, lse,
-      {g.dq, g.dk, g.dv, g.d_relative_bias.view(), g.d_additive_w_q.view(), g.d_additive_w_k.view(),
-       g.d_additive_v.view(), g.d_additive_bias.view(), g.d_sinks.view()},
-      o);
+  detail::allocate_parameter_gradients(p, o, g);
+  run(p, q, k, v, out, dout, lse, detail::views_of(g), o);
   return g;
 }
 
@@ -170,6 +161,16 @@ bool dropout_keep(std::uint64_t seed, std::uint32_t offset, double p, std::int64
                   std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
   const detail::PhiloxCounter words = detail::dropout_words(seed, offset, b * hq + h, i, j);
   return (words[static_cast<std::size_t>(j % 4)] >> 8) >= detail::dropout_threshold(p);
+}
+
+std::vector<ParameterGradient> parameter_gradients(ConstTensorView q, ConstTensorView k,
+                                                   ConstTensorView v, const AttentionOptions& o) {
+  const detail::AttentionProblem p = detail::check_attention_inputs(q, k, v, o);
+  std::vector<ParameterGradient> used;
+  for (const detail::ParameterRow& row : detail::parameter_rows(p, o)) {
+    if (row.used) used.push_back({row.name, row.sizes, p.stat_dtype});
+  }
+  return used;
 }
 
 }  // namespace qkv

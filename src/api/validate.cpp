@@ -9,6 +9,7 @@
 
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
+#include "core/parameters.hpp"
 #include "core/sparse.hpp"
 
 namespace qkv::detail {
@@ -519,23 +520,12 @@ void check_gradient_outputs(const AttentionProblem& p, ConstTensorView q, ConstT
     }
     check_output(name, t, {.sizes = sizes, .dtype = dtype}, aliasing, r);
   };
-  const bool additive = o.score == Score::additive;
-  const RelativePositionBias& rb = o.relative_bias;
-  const std::int64_t buckets = rb.table.defined() ? rb.table.size(1) : 0;
   output("dq", g.dq, {p.batch, p.nq, p.hq, p.dq}, p.dtype, true, "q");
   output("dk", g.dk, {p.batch, p.nk, p.hkv, p.dk}, p.dtype, true, "k");
   output("dv", g.dv, {p.batch, p.nk, p.hkv, p.dv}, p.dtype, true, "v");
-  output("d_relative_bias", g.d_relative_bias, {p.hq, buckets}, p.stat_dtype, rb.table.defined(),
-         "relative_bias.table");
-  output("d_additive_w_q", g.d_additive_w_q, {p.attention_size, p.dq}, p.stat_dtype, additive,
-         "Score::additive");
-  output("d_additive_w_k", g.d_additive_w_k, {p.attention_size, p.dk}, p.stat_dtype, additive,
-         "Score::additive");
-  output("d_additive_v", g.d_additive_v, {p.attention_size}, p.stat_dtype, additive,
-         "Score::additive");
-  output("d_additive_bias", g.d_additive_bias, {p.attention_size}, p.stat_dtype,
-         additive && o.additive.bias.defined(), "additive.bias");
-  output("d_sinks", g.d_sinks, {p.hq}, p.stat_dtype, !o.sinks.empty(), "sinks");
+  for (const ParameterRow& row : parameter_rows(p, o)) {
+    output(row.name, g.*row.output, row.sizes, p.stat_dtype, row.used, row.option);
+  }
   throw_if(r);
 }
 

@@ -3,25 +3,55 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 namespace qkv {
 
-const char* storage_name(KvStorage storage) {
+bool is_storage(KvStorage storage) {
   switch (storage) {
-    case KvStorage::automatic:
-      return "auto";
-    case KvStorage::f32:
-      return "f32";
-    case KvStorage::bf16:
-      return "bf16";
-    case KvStorage::f16:
-      return "f16";
-    case KvStorage::q8_0:
-      return "q8_0";
-    case KvStorage::q4_0:
-      return "q4_0";
+#define QKV_KV_STORAGE_CASE(enumerator, name, dtype_name, doc) case KvStorage::enumerator:
+    QKV_KV_STORAGES(QKV_KV_STORAGE_CASE)
+#undef QKV_KV_STORAGE_CASE
+    return true;
   }
+  return false;
+}
+
+const char* storage_name(KvStorage storage) {
+#define QKV_KV_STORAGE_NAME(enumerator, name, dtype_name, doc) \
+  if (storage == KvStorage::enumerator) return name;
+  QKV_KV_STORAGES(QKV_KV_STORAGE_NAME)
+#undef QKV_KV_STORAGE_NAME
   return "?";
+}
+
+const char* storage_dtype_name(KvStorage storage) {
+#define QKV_KV_STORAGE_DTYPE_NAME(enumerator, name, dtype_name, doc) \
+  if (storage == KvStorage::enumerator) return dtype_name;
+  QKV_KV_STORAGES(QKV_KV_STORAGE_DTYPE_NAME)
+#undef QKV_KV_STORAGE_DTYPE_NAME
+  return nullptr;
+}
+
+std::optional<KvStorage> storage_of_dtype_name(std::string_view wanted) {
+#define QKV_KV_STORAGE_OF(enumerator, name, dtype_name, doc) \
+  if (!wanted.empty() && wanted == dtype_name) return KvStorage::enumerator;
+  QKV_KV_STORAGES(QKV_KV_STORAGE_OF)
+#undef QKV_KV_STORAGE_OF
+  return std::nullopt;
+}
+
+std::string storage_names(bool dtype_names) {
+  std::string joined;
+  const auto add = [&](const char* name) {
+    if (*name == '\0') return;
+    if (!joined.empty()) joined += ", ";
+    joined += name;
+  };
+#define QKV_KV_STORAGE_LIST(enumerator, name, dtype_name, doc) add(dtype_names ? dtype_name : name);
+  QKV_KV_STORAGES(QKV_KV_STORAGE_LIST)
+#undef QKV_KV_STORAGE_LIST
+  return joined;
 }
 
 std::int64_t stored_bytes(KvStorage storage, std::int64_t n) {

@@ -298,6 +298,12 @@ void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, c
   }
 }
 
+// A storage's name for a message, or its value when it is no row.
+std::string stored_as(KvStorage storage) {
+  return is_storage(storage) ? std::string(storage_name(storage))
+                             : "value " + std::to_string(static_cast<int>(storage));
+}
+
 }  // namespace
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
@@ -394,17 +400,14 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     }
     if (c.tail_storage != KvStorage::bf16 && c.tail_storage != KvStorage::f16) {
       r.push_back(std::string("config.tail_storage: expected bf16 or f16, got ") +
-                  (c.tail_storage <= KvStorage::q4_0
-                       ? std::string(storage_name(c.tail_storage))
-                       : "value " + to_string(static_cast<int>(c.tail_storage))));
+                  stored_as(c.tail_storage));
     }
   }
   const auto check_storage = [&](const char* field, KvStorage storage, std::int64_t dim,
                                  const char* dim_name) {
-    if (storage > KvStorage::q4_0) {
-      r.push_back(std::string("config.") + field +
-                  ": expected automatic, f32, bf16, f16, q8_0 or q4_0, got value " +
-                  to_string(static_cast<int>(storage)));
+    if (!is_storage(storage)) {
+      r.push_back(std::string("config.") + field + ": expected one of " + storage_names(false) +
+                  ", got " + stored_as(storage));
     } else if (cache::is_quantized(storage) && dim >= 1 && dim % cache::kQuantBlock != 0) {
       r.push_back(std::string("config.") + field + ": " + storage_name(storage) +
                   " stores blocks of " + to_string(cache::kQuantBlock) + " values: expected " +
