@@ -39,6 +39,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .attribution import integrated_gradients_fn, rollout
+
 __all__ = ["page", "decoder_page", "write_html"]
 
 
@@ -122,8 +124,6 @@ def decoder_page(model, tokenizer, prompt_ids, max_new_tokens: int = 16, *,
     to the word embeddings of the tokens before it, from a baseline of
     zeros that keeps the first token's (the last token's own is 0).
     tokenizer may be None (tokens shown as ids)."""
-    from .explain import integrated_gradients_fn, rollout
-
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     if ids.numel() < 1:
         raise ValueError("prompt_ids is empty")

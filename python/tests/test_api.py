@@ -473,6 +473,43 @@ def test_linear_attention_step_continues_a_causal_prefill():
     assert np.abs(again - full).max() < 1e-12
 
 
+def test_the_package_modules_import_without_a_loop():
+    # Every import between qkv's own modules, the lazy ones inside functions
+    # too, runs one way: the graph of modules has no cycle.
+    package = pathlib.Path(qkv.__file__).parent
+    modules = {p.stem for p in package.glob("*.py")}
+    edges = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level == 1 or base == "qkv" or base.startswith("qkv."):
+                    base = base.removeprefix("qkv").lstrip(".")
+                    if base:
+                        targets.add(base.split(".")[0])
+                    else:
+                        targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name.split(".")[1] for alias in node.names
+                               if alias.name.startswith("qkv."))
+        edges[name] = (targets & modules) - {name, "__init__"}
+    state = {}
+
+    def visit(name, path):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", "import loop: " + " -> ".join(path + [name])
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            visit(target, path + [name])
+        state[name] = "done"
+
+    for name in sorted(modules):
+        visit(name, [])
+
+
 def test_type_stubs_are_valid_python():
     # The stubs nanobind's stubgen writes from the native signatures ship
     # beside the module; a type checker reads them as Python source.
