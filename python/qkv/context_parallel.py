@@ -72,7 +72,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _api, _arrays, _qkv
+from . import _api, _arrays, _collective, _qkv
 from ._api import AttentionResult
 
 __all__ = ["AttentionResult", "LAYOUTS", "ring_attention", "ulysses_attention"]
@@ -128,7 +128,7 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
     # Every rank passed the local checks, so every rank has the same names;
     # and every rank must run the backward if any does (it is collective).
     names = names + ["whether the output requires grad (q, k, v or sinks do)"]
-    values = values + [int(_differentiable(q, k, v, options.get("sinks")))]
+    values = values + [int(_collective.differentiable(q, k, v, options))]
     low = torch.tensor(values, dtype=torch.int64)
     high = low.clone()
     dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
@@ -141,11 +141,6 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
     if whole:  # the same on every rank: they agree
         raise ValueError(f"{kind}: " + "; ".join(whole))
     return o
-
-
-def _differentiable(*xs) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
 # ---------------------------------------------------------------- transport
@@ -350,49 +345,50 @@ def _ulysses_backward(saved, dout, o, group, layout, hkv, with_sinks):
             _kv_heads_grad(_to_rows(dv, group, layout), hkv), d_sinks)
 
 
-# ---------------------------------------------------------------- autograd
-
-class _Ring(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, o, group, layout):
-        # sinks (in o already) is an input for its gradient.
-        out, lse = _ring_forward(q, k, v, o, group, layout)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (o, group, layout)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, *ctx.args)
-        d_sinks = None
-        if ctx.needs_input_grad[3]:
-            d_sinks = _sink_gradients(q, k, v, out, dout, lse, *ctx.args)
-        return dq, dk, dv, d_sinks, None, None, None
+# ---------------------------------------------------------------- calls
+# What qkv._collective's autograd Function runs for each method.
 
 
-class _Ulysses(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, o, group, layout):
-        saved, out, lse = _ulysses_forward(q, k, v, o, group, layout)
-        ctx.save_for_backward(*saved)
-        ctx.args = (o, group, layout, k.shape[2], o.sinks is not None)
-        out, lse = _ulysses_rows(out, lse, group, layout)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+class _RingCall:
+    def __init__(self, o, group, layout):
+        self.o, self.group, self.layout = o, group, layout
+        self.rank = dist.get_rank(group)
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        dq, dk, dv, d_sinks = _ulysses_backward(ctx.saved_tensors, dout, *ctx.args)
-        return dq, dk, dv, d_sinks if ctx.needs_input_grad[3] else None, None, None, None
+    def forward(self, q, k, v):
+        out, lse = _ring_forward(q, k, v, self.o, self.group, self.layout)
+        return out, lse, (q, k, v, out, lse)
+
+    def backward(self, saved, dout, wanted):
+        q, k, v, out, lse = saved
+        dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, self.o, self.group, self.layout)
+        shares = {}
+        if "d_sinks" in wanted:
+            shares["d_sinks"] = _sink_gradients(q, k, v, out, dout, lse, self.o, self.group,
+                                                self.layout)
+        return dq, dk, dv, shares
 
 
-def _attend(function, kind, q, k, v, group, layout, return_lse, options):
+class _UlyssesCall:
+    def __init__(self, o, group, layout):
+        self.o, self.group, self.layout = o, group, layout
+        self.rank = dist.get_rank(group)
+        self.hkv = 0  # the KV heads of this rank's k, set by the forward
+
+    def forward(self, q, k, v):
+        self.hkv = k.shape[2]
+        saved, out, lse = _ulysses_forward(q, k, v, self.o, self.group, self.layout)
+        out, lse = _ulysses_rows(out, lse, self.group, self.layout)
+        return out, lse, saved
+
+    def backward(self, saved, dout, wanted):
+        dq, dk, dv, d_sinks = _ulysses_backward(saved, dout, self.o, self.group, self.layout,
+                                                self.hkv, self.o.sinks is not None)
+        return dq, dk, dv, {} if d_sinks is None else {"d_sinks": d_sinks}
+
+
+def _attend(method, kind, q, k, v, group, layout, return_lse, options):
     o = _prepare(q, k, v, group, layout, kind, options)
-    sinks = options.get("sinks")
-    sinks = sinks if isinstance(sinks, torch.Tensor) else None
-    out, lse = function.apply(q, k, v, sinks, o, group, layout)
+    out, lse = _collective.attend(method(o, group, layout), q, k, v, options)
     return AttentionResult(out, lse, None) if return_lse else out
 
 
@@ -402,7 +398,7 @@ def ring_attention(q, k, v, group=None, *, layout: str = "contiguous", return_ls
     qkv.distributed.ring_attention over MPI. Shapes, layouts and options in
     the module docstring. Returns out, or AttentionResult(out, lse, None)
     with return_lse."""
-    return _attend(_Ring, "ring_attention", q, k, v, group, layout, return_lse, options)
+    return _attend(_RingCall, "ring_attention", q, k, v, group, layout, return_lse, options)
 
 
 def ulysses_attention(q, k, v, group=None, *, layout: str = "contiguous",
@@ -410,4 +406,4 @@ def ulysses_attention(q, k, v, group=None, *, layout: str = "contiguous",
     """All-to-all (Ulysses) attention over the process group (None: the
     default group). Shapes, layouts and options in the module docstring.
     Returns out, or AttentionResult(out, lse, None) with return_lse."""
-    return _attend(_Ulysses, "ulysses_attention", q, k, v, group, layout, return_lse, options)
+    return _attend(_UlyssesCall, "ulysses_attention", q, k, v, group, layout, return_lse, options)

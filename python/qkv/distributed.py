@@ -51,7 +51,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Tuple
 
-from . import _api, _arrays, _qkv
+from . import _api, _arrays, _collective, _qkv
 from ._api import AttentionGradients, AttentionResult
 
 if not hasattr(_qkv, "ring_attention"):
@@ -158,16 +158,20 @@ class _Call:
         self.layout, self.bf16_as_bits = layout, bf16_as_bits
         self.rank = 0  # this rank in the communicator
 
-    def forward(self, q, k, v) -> Tuple[Any, Any]:
+    def forward(self, q, k, v) -> Tuple[Any, Any, Tuple]:
+        """(out, lse, saved) as the shared autograd Function takes them."""
         n = _arrays.native
         args = (self.handle, n(q, "q"), n(k, "k"), n(v, "v"), self.options)
         if self.layout is None:
             out, lse = _call(_qkv.ulysses_attention, *args, True, self.bf16_as_bits)
         else:
             out, lse = _call(_qkv.ring_attention, *args, self.layout, True, self.bf16_as_bits)
-        return _result(out, q, self.bf16_as_bits), _result(lse, q, False)
+        out, lse = _result(out, q, self.bf16_as_bits), _result(lse, q, False)
+        return out, lse, (q, k, v, out, lse)
 
-    def backward(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any, Any]:
+    def gradients(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any, Any]:
+        """(dq, dk, dv, d_sinks): this rank's shards, and the sinks' gradient
+        of the whole problem (the same on every rank) or None."""
         n = _arrays.native
         args = (self.handle, n(q, "q"), n(k, "k"), n(v, "v"), n(out, "out"), n(dout, "dout"),
                 n(lse, "lse"), self.options)
@@ -179,52 +183,12 @@ class _Call:
         return (*(_result(g, q, self.bf16_as_bits) for g in (dq, dk, dv)),
                 None if d_sinks is None else _result(d_sinks, q, False))
 
-
-_function: Any = None  # the torch.autograd.Function, made once torch is used
-
-
-def _autograd_function() -> Any:
-    global _function
-    if _function is None:
-        torch = _arrays.torch_module()
-        from torch.autograd.function import once_differentiable
-
-        class DistributedAttention(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, call, q, k, v, sinks):
-                # sinks (in call's options already) is an input for its gradient.
-                out, lse = call.forward(q, k, v)
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.call = call
-                ctx.mark_non_differentiable(lse)
-                ctx.sinks_dtype = None if sinks is None else sinks.dtype
-                return out, lse
-
-            @staticmethod
-            @once_differentiable
-            def backward(ctx, dout, _dlse):
-                # Collective: computed on every rank, whichever inputs need it.
-                q, k, v, out, lse = ctx.saved_tensors
-                dq, dk, dv, d_sinks = ctx.call.backward(q, k, v, out, dout, lse)
-                needs = ctx.needs_input_grad
-                if needs[4]:
-                    # The sinks are replicated, like any parameter under data
-                    # parallelism: each rank's gradient is its share, and the
-                    # shares sum to the whole problem's (rank 0 holds it).
-                    d_sinks = d_sinks.to(ctx.sinks_dtype)
-                    if ctx.call.rank != 0:
-                        d_sinks = torch.zeros_like(d_sinks)
-                return (None, dq if needs[1] else None, dk if needs[2] else None,
-                        dv if needs[3] else None, d_sinks if needs[4] else None)
-
-        _function = DistributedAttention
-    return _function
-
-
-def _differentiable(*tensors) -> bool:
-    torch = _arrays.torch_module()
-    return (torch is not None and torch.is_grad_enabled()
-            and any(_arrays.is_torch(x) and x.requires_grad for x in tensors))
+    def backward(self, saved, dout, wanted) -> Tuple[Any, Any, Any, dict]:
+        """The shared autograd Function's backward: the parameters' shares."""
+        q, k, v, out, lse = saved
+        dq, dk, dv, d_sinks = self.gradients(q, k, v, out, dout, lse)
+        whole = {} if d_sinks is None else {"d_sinks": d_sinks}
+        return dq, dk, dv, _collective.whole_as_share(whole, self.rank)
 
 
 def _prepare(handle: int, function: str, arrays, layout: Optional[str], options: dict) -> _Call:
@@ -269,17 +233,11 @@ def _agree_on_grad(comm, function: str, differentiable: bool) -> None:
 def _attend(function: str, q, k, v, comm, layout: Optional[str], return_lse: bool,
             options: dict):
     handle = _handle(comm)
-    sinks = options.get("sinks")
-    sinks = sinks if _arrays.is_torch(sinks) else None
-    differentiable = _differentiable(q, k, v, sinks)
-    _agree_on_grad(comm, function, differentiable)
+    _agree_on_grad(comm, function, _collective.differentiable(q, k, v, options))
     call = _prepare(handle, function, ((q, "q"), (k, "k"), (v, "v")), layout, options)
     try:
-        if differentiable:
-            out, lse = _autograd_function().apply(call, q, k, v, sinks)
-            call.rank = comm.Get_rank()  # for the backward; comm passed the checks
-        else:
-            out, lse = call.forward(q, k, v)
+        out, lse = _collective.attend(call, q, k, v, options)
+        call.rank = comm.Get_rank()  # for the backward; comm passed the checks
     except TypeError as error:  # an argument nanobind could not convert: nothing was sent
         _fail(handle, function, error)
     return AttentionResult(out, lse, None) if return_lse else out
@@ -291,7 +249,7 @@ def _gradients(function: str, q, k, v, out, dout, lse, comm, layout: Optional[st
     arrays = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"))
     call = _prepare(handle, function, arrays, layout, options)
     try:
-        dq, dk, dv, d_sinks = call.backward(q, k, v, out, dout, lse)
+        dq, dk, dv, d_sinks = call.gradients(q, k, v, out, dout, lse)
     except TypeError as error:
         _fail(handle, function, error)
     return AttentionGradients(dq, dk, dv, d_sinks=d_sinks)
