@@ -191,8 +191,11 @@ def attention_forward(
 
         mask = create_position_bias_mask(position_bias, mask, causal and nq > 1 and mask is None,
                                           query, key)
-    options = dict(causal=False, top_left=True, window_left=-1, key_lengths=None, mask=None,
-                   sinks=sinks)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    # qkv's options, by the rows' names: one dict for every call below.
+    options = dict(scale=None if scaling is None else float(scaling), causal=False,
+                   align="top_left", window_left=-1, window_right=-1, key_lengths=None,
+                   mask=None, softcap=float(softcap) if softcap else 0.0, sinks=sinks)
     if mask is None:
         options["causal"] = bool(causal and nq > 1)
     elif mask.dtype == torch.bool:
@@ -200,57 +203,52 @@ def attention_forward(
         if found is None:
             options["mask"] = mask
         else:
-            options.update(causal=found.causal, top_left=found.top_left,
-                           window_left=found.window_left, key_lengths=found.key_lengths)
+            options.update(causal=found.causal,
+                           align="top_left" if found.top_left else "bottom_right",
+                           window_left=found.window_left,
+                           window_right=-1 if found.window_left < 0 else 0,
+                           key_lengths=found.key_lengths)
     else:
         options["mask"] = mask
 
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    scale = None if scaling is None else float(scaling)
-    cap = float(softcap) if softcap else 0.0
     weights = None
     wants_weights = _wants_weights(kwargs)
     trains = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, options["mask"], sinks))
     if trains or dropout > 0:
-        out, _ = _ops.attention(
-            q, k, v, mask=options["mask"], key_lengths=options["key_lengths"], scale=scale,
-            causal=options["causal"],
-            align="top_left" if options["top_left"] else "bottom_right",
-            window=(options["window_left"], -1 if options["window_left"] < 0 else 0),
-            softcap=cap, dropout_p=float(dropout), sinks=sinks)
+        out, _ = _ops.attention(q, k, v, dropout_p=float(dropout), **options)
         if wants_weights:
             with torch.no_grad():
-                weights = _plain(q, k, v, options, scale, cap, True)[1]
+                weights = _plain(q, k, v, options, True)[1]
     else:
-        out, weights = _plain(q, k, v, options, scale, cap, wants_weights)
+        out, weights = _plain(q, k, v, options, wants_weights)
     if weights is not None:
         weights = weights.to(query.dtype)
     return out, weights
 
 
 @functools.lru_cache(maxsize=64)
-def _scalar_options(scale, causal: bool, top_left: bool, window_left: int, cap: float):
-    """Prepared options of a call without tensors among them (no mask, no
-    key lengths): every layer of a model, and every decoding step, reuses
-    them instead of building them again."""
-    return _api._options(
-        scale=scale, causal=causal, align="top_left" if top_left else "bottom_right",
-        window=None if window_left < 0 else (window_left, 0), softcap=cap)
+def _scalar_options(**options):
+    """Prepared options of a call without tensors among them (no mask, key
+    lengths or sinks): every layer of a model, and every decoding step,
+    reuses them instead of building them again."""
+    return _api._options(**options)
 
 
-def _plain(q, k, v, options: dict, scale, cap: float, probs: bool):
-    """One call of qkv.attention (no autograd): (out, probs or None)."""
-    wl = options["window_left"]
-    if options["mask"] is None and options["key_lengths"] is None and options["sinks"] is None:
-        o = _scalar_options(scale, options["causal"], options["top_left"], wl, cap)
+_TENSOR_OPTIONS = ("mask", "key_lengths", "sinks")
+
+
+def _plain(q, k, v, options: dict, probs: bool):
+    """One call of qkv.attention (no autograd) with options by the rows'
+    names: (out, probs or None)."""
+    scalars = {name: value for name, value in options.items() if name not in _TENSOR_OPTIONS}
+    if all(options[name] is None for name in _TENSOR_OPTIONS):
+        o = _scalar_options(**scalars)
     else:
-        o = _api._options(
-            scale=scale, causal=options["causal"],
-            align="top_left" if options["top_left"] else "bottom_right",
-            window=None if wl < 0 else (wl, 0), key_lengths=options["key_lengths"],
-            mask=None if options["mask"] is None else options["mask"].detach(), softcap=cap,
-            sinks=None if options["sinks"] is None else options["sinks"].detach().float())
+        sinks, mask = options["sinks"], options["mask"]
+        o = _api._options(**scalars, key_lengths=options["key_lengths"],
+                          mask=None if mask is None else mask.detach(),
+                          sinks=None if sinks is None else sinks.detach().float())
     r = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=probs)
     return (r.out, r.probs) if probs else (r, None)
 
@@ -332,7 +330,7 @@ class QkvCacheLayer(CacheLayerMixin):
                        softcap=float(softcap) if softcap else 0.0,
                        sinks=None if sinks is None else sinks.detach().float())
         if window >= 0:
-            options["window"] = (window, -1)
+            options["window_left"] = window
         q = query.detach().transpose(1, 2)
         k, v = k.detach().transpose(1, 2), v.detach().transpose(1, 2)
         # A streaming cache drops tokens as it goes: one query at a time then,
