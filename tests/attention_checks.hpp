@@ -89,17 +89,6 @@ inline Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std:
           random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
 }
 
-// The loss L = sum out * dout of f64 inputs' forward with options o, in
-// double: what finite differences of the parameters' gradients difference.
-inline double output_loss(const Inputs& in, const Tensor& dout, AttentionOptions o) {
-  o.return_lse = false;
-  const Tensor out = qkv::attention(in.q, in.k, in.v, o).out;
-  double l = 0;
-  for (std::int64_t e = 0; e < out.numel(); ++e)
-    l += out.data<double>()[e] * dout.data<double>()[e];
-  return l;
-}
-
 // Runs the fast backend and checks it against the reference with `rule`
 // (`mod` describes opt.score_mod for the worst-case bound; without it a
 // score_mod skips the bound); returns the fast result.

@@ -44,7 +44,6 @@ struct Case {
   std::vector<std::int64_t> lengths = {kN, 5}, cu = {0, 4, kN};
   std::vector<float> slopes = {0.5f, 0.25f};
   std::vector<float> sinks = {0.3f, -1.2f};
-  std::vector<float> scales = {0.8f, 1.3f};
   AttentionOptions o;
   bool packed = false;
 
@@ -105,13 +104,6 @@ void turn_on(Option option, Case& c) {
       return;
     case Option::sinks:
       o.sinks = c.sinks;
-      return;
-    case Option::score_scale:
-      o.score_scale = c.scales;
-      return;
-    case Option::score_scale_log_n:
-      o.score_scale = c.scales;
-      o.score_scale_log_n = true;
       return;
     case Option::relative_bias:
       o.relative_bias = {c.table, 16, true};
@@ -185,13 +177,10 @@ void prepare(Path path, Case& c) {
 }
 
 // Pairs that are not a combination of features: scale and score choose the
-// score, which the additive paths have chosen already; score_scale (and its
-// log_n form) scales dot-product scores, and validation refuses it with
-// Score::additive (score_scale_test.cpp).
+// score, which the additive paths have chosen already.
 bool combines(Path path, Option option) {
   const bool additive_path = path == Path::additive_backward || path == Path::additive_own_weights;
-  return !(additive_path && (option == Option::scale || option == Option::score ||
-                             option == Option::score_scale || option == Option::score_scale_log_n));
+  return !(additive_path && (option == Option::scale || option == Option::score));
 }
 
 void expect_names(const qkv::Error& e, Option option, const std::string& label) {

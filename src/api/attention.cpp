@@ -4,7 +4,6 @@
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/isa.hpp"
-#include "core/score_scale.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -73,11 +72,6 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
 void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
          ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
          const detail::TileMods* mods) {
-  if (!options.score_scale.empty()) {  // every path runs the scaled queries (score_scale.hpp)
-    const Tensor scaled = detail::scaled_queries(problem, q, options);
-    run(problem, scaled, k, v, outputs, detail::without_score_scale(options), mods);
-    return;
-  }
   if (detail::use_fast_kernels(options, problem.dtype) &&
       run_fast(problem, q, k, v, outputs, options, mods)) {
     return;

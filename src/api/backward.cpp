@@ -10,7 +10,6 @@
 #include "core/isa.hpp"
 #include "core/parameters.hpp"
 #include "core/philox.hpp"
-#include "core/score_scale.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
@@ -122,16 +121,6 @@ void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
 void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
-  if (!o.score_scale.empty()) {  // the gradients of the scaled queries (score_scale.hpp)
-    const Tensor scaled = detail::scaled_queries(p, q, o);
-    Tensor d_scaled(p.dtype, {p.batch, p.nq, p.hq, p.dq});
-    GradientOutputs inner = grads;
-    inner.dq = d_scaled;
-    inner.d_score_scale = {};
-    run(p, scaled, k, v, out, dout, lse, inner, detail::without_score_scale(o));
-    detail::score_scale_gradients(p, q, d_scaled, o, grads.dq, grads.d_score_scale);
-    return;
-  }
   Tensor forward_out, forward_lse;
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);
   if (grads.d_sinks.defined()) reference::sink_gradients(p, out, dout, lse, o, grads.d_sinks);

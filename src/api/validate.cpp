@@ -216,37 +216,9 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
   }
 }
 
-void check_score_scale(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
-  if (o.score_scale.empty()) {
-    if (o.score_scale_log_n) {
-      r.push_back(
-          "options.score_scale_log_n: scales score_scale, which is empty: expected [Hq] "
-          "scales with it");
-    }
-    return;
-  }
-  if (static_cast<std::int64_t>(o.score_scale.size()) != hq) {
-    r.push_back("options.score_scale: expected Hq = " + to_string(hq) + " scales, got " +
-                to_string(static_cast<std::int64_t>(o.score_scale.size())));
-  }
-  for (std::size_t h = 0; h < o.score_scale.size(); ++h) {
-    if (!std::isfinite(o.score_scale[h])) {
-      r.push_back("options.score_scale[" + to_string(h) + "]: expected a finite scale, got " +
-                  num(o.score_scale[h]));
-      break;
-    }
-  }
-  if (o.score == Score::additive) {
-    r.push_back(
-        "options.score_scale: scales dot-product scores (Score::scaled_dot, Score::dot), "
-        "got Score::additive");
-  }
-}
-
 void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
   check_alibi(o, p.hq, p.sequences, p.varlen, r);
   check_sinks(o, p.hq, r);
-  check_score_scale(o, p.hq, r);
   if (o.shard.heads > 0 && o.shard.head >= 0 &&
       (o.shard.head > o.shard.heads || o.shard.heads - o.shard.head < p.hq)) {
     r.push_back("options.shard.heads: expected at least head + Hq = " + to_string(o.shard.head) +
