@@ -91,6 +91,12 @@ class AttentionResult(NamedTuple):
 # d_additive_w_q, d_additive_w_k, d_additive_v, d_additive_bias, d_sinks.
 PARAMETER_GRADIENTS: Tuple[str, ...] = tuple(_qkv.parameter_gradient_names)
 
+
+def parameter_option(gradient: str) -> str:
+    """The keyword whose gradient `gradient` is: d_X is X's (d_sinks: sinks).
+    Only a parameter passed as one tensor keyword (sinks) is one of them."""
+    return gradient[2:]
+
 AttentionGradients = collections.namedtuple(
     "AttentionGradients", ("dq", "dk", "dv") + PARAMETER_GRADIENTS,
     defaults=(None,) * len(PARAMETER_GRADIENTS))

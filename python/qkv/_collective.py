@@ -30,7 +30,7 @@ def parameters(options: dict) -> List[Tuple[str, Any]]:
     tensor (the inputs autograd differentiates)."""
     found = []
     for gradient in _api.PARAMETER_GRADIENTS:
-        value = options.get(gradient[2:])
+        value = options.get(_api.parameter_option(gradient))
         if _arrays.is_torch(value):
             found.append((gradient, value))
     return found

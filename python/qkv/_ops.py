@@ -41,8 +41,8 @@ torch.library.define(
 
 # The operator tensor each parameter gradient belongs to: d_X is X's (d_sinks: sinks); the
 # parameters the operator cannot carry (relative_bias, additive) have none.
-_PARAMETER_TENSORS = {name: name[2:] for name in _api.PARAMETER_GRADIENTS
-                      if name[2:] in _TENSORS}
+_PARAMETER_TENSORS = {name: _api.parameter_option(name) for name in _api.PARAMETER_GRADIENTS
+                      if _api.parameter_option(name) in _TENSORS}
 
 
 @torch.library.impl("qkv::attention", "cpu")
