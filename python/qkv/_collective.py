@@ -15,11 +15,16 @@ A transport's call has
 A parameter's share: the parameters are replicated on every rank, like any
 parameter under data parallelism, so each rank's gradient is its share and
 the shares sum to the whole problem's gradient.
+
+Both transports check with agree() that the ranks pass the same values
+(qkv.context_parallel every value the native check compares, qkv.distributed
+only whether the output requires grad: its native calls compare the rest),
+each through its own all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _api, _arrays
 
@@ -43,6 +48,35 @@ def differentiable(q, k, v, options: dict) -> bool:
     tensors = [q, k, v] + [t for _, t in parameters(options)]
     return (torch is not None and torch.is_grad_enabled()
             and any(_arrays.is_torch(x) and x.requires_grad for x in tensors))
+
+
+def requires_grad(q, k, v, options: dict) -> Tuple[str, int]:
+    """(name, 1 or 0) of whether the output requires grad, for agree(): the
+    backward is collective, so every rank runs it or none does."""
+    return ("whether the output requires grad (q, k, v or a learned parameter do; the backward "
+            "is collective)", int(differentiable(q, k, v, options)))
+
+
+def agree(prefix: str, rank: int, named: Sequence[Tuple[str, int]],
+          maximum: Callable[[List[int]], List[int]]) -> None:
+    """Raises ValueError on every rank unless the ranks pass the same values
+    (int64 each, named by the argument). Collective: one
+    call of the transport's `maximum`, which all-reduces an int64 vector with
+    MAX over the ranks; it carries each value and its bitwise complement, whose
+    maximum is the complement of the minimum. The message names every value
+    that differs, '; ' between them:
+
+        {prefix}: {name}: expected the same value on every rank, but the ranks
+        differ (rank {rank}: {value}, range over ranks: {low} to {high})
+    """
+    values = [int(value) for _, value in named]
+    reduced = maximum(values + [~value for value in values])
+    highs, lows = reduced[:len(values)], [~x for x in reduced[len(values):]]
+    differ = [f"{name}: expected the same value on every rank, but the ranks differ "
+              f"(rank {rank}: {value}, range over ranks: {low} to {high})"
+              for (name, _), value, low, high in zip(named, values, lows, highs) if low != high]
+    if differ:
+        raise ValueError(f"{prefix}: " + "; ".join(differ))
 
 
 _function: Any = None  # made once torch is used (qkv.distributed runs without it)

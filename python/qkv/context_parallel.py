@@ -125,19 +125,16 @@ def _prepare(q, k, v, group, layout, kind: str, options: dict) -> "_qkv.Options"
             raise TypeError(f"{kind}: {problem}")
         first = next(r for r, message in enumerate(said) if message)
         raise ValueError(f"{kind}: rank {first} of {ranks}: {said[first]}")
+
+    def maximum(xs: List[int]) -> List[int]:  # elementwise, over the ranks
+        reduced = torch.tensor(xs, dtype=torch.int64)
+        dist.all_reduce(reduced, dist.ReduceOp.MAX, group=group)
+        return reduced.tolist()
+
     # Every rank passed the local checks, so every rank has the same names;
     # and every rank must run the backward if any does (it is collective).
-    names = names + ["whether the output requires grad (q, k, v or sinks do)"]
-    values = values + [int(_collective.differentiable(q, k, v, options))]
-    low = torch.tensor(values, dtype=torch.int64)
-    high = low.clone()
-    dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, dist.ReduceOp.MAX, group=group)
-    differ = [f"{names[i]}: expected the same value on every rank, but the ranks differ "
-              f"(rank {rank}: {values[i]}, range over ranks: {low[i]} to {high[i]})"
-              for i in torch.nonzero(low != high).flatten().tolist()]
-    if differ:
-        raise ValueError(f"{kind}: " + "; ".join(differ))
+    named = [*zip(names, values), _collective.requires_grad(q, k, v, options)]
+    _collective.agree(kind, rank, named, maximum)
     if whole:  # the same on every rank: they agree
         raise ValueError(f"{kind}: " + "; ".join(whole))
     return o

@@ -49,7 +49,7 @@ installed, Debian's libopenmpi-dev) and mpi4py built for the same MPI.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Tuple
 
 from . import _api, _arrays, _collective, _qkv
 from ._api import AttentionGradients, AttentionResult
@@ -208,32 +208,31 @@ def _prepare(handle: int, function: str, arrays, layout: Optional[str], options:
     return _Call(function, handle, o, layout, bits)
 
 
-def _agree_on_grad(comm, function: str, differentiable: bool) -> None:
+def _agree_on_grad(comm, function: str, q, k, v, options: dict) -> None:
     """Raises ValueError on every rank unless all of them agree on whether
     the output requires grad: the backward is collective, so every rank runs
-    it or none does. One allreduce, before any other message of the call
-    (a null or inter-communicator is left to the native check, which refuses
-    it on every rank)."""
+    it or none does. One allreduce (_collective.agree), before any other
+    message of the call (a null or inter-communicator is left to the native
+    check, which refuses it on every rank)."""
     import numpy as np
     from mpi4py import MPI
 
     if comm == MPI.COMM_NULL or comm.Is_inter():
         return
-    count = np.array([int(differentiable)], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
-    ranks = comm.Get_size()
-    if 0 < count[0] < ranks:
-        raise ValueError(
-            f"qkv: qkv::dist::{function}: whether the output requires grad (q, k, v or sinks "
-            f"do): expected the same value on every rank (the backward is collective), but it "
-            f"does on {count[0]} of {ranks} ranks (rank {comm.Get_rank()}: "
-            f"{'yes' if differentiable else 'no'})")
+
+    def maximum(xs: List[int]) -> List[int]:  # elementwise, over the ranks
+        reduced = np.array(xs, dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, reduced, op=MPI.MAX)
+        return reduced.tolist()
+
+    _collective.agree(f"qkv: qkv::dist::{function}", comm.Get_rank(),
+                      [_collective.requires_grad(q, k, v, options)], maximum)
 
 
 def _attend(function: str, q, k, v, comm, layout: Optional[str], return_lse: bool,
             options: dict):
     handle = _handle(comm)
-    _agree_on_grad(comm, function, _collective.differentiable(q, k, v, options))
+    _agree_on_grad(comm, function, q, k, v, options)
     call = _prepare(handle, function, ((q, "q"), (k, "k"), (v, "v")), layout, options)
     try:
         out, lse = _collective.attend(call, q, k, v, options)

@@ -2,7 +2,8 @@
 ranks and 4 (more ranks than cores): ring and all-to-all attention forward
 and backward in float32 and bfloat16, and a training step, against one
 process; a rank's bad argument raising on every rank; and in this process
-(a gloo group of one rank) the arguments and the one-rank results."""
+the agreement check (two ranks simulated), and (a gloo group of one rank)
+the arguments and the one-rank results."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import launch
 import qkv
 import qkv.context_parallel as cp
+from qkv import _collective
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -100,6 +102,9 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
             "(rank {}: {}, range over ranks: 6 to 8)")
     disagree = "ValueError {}: " + rows + "; " + rows
     rank3 = "expected rank 4, got rank 3 with sizes [1, 8, 4]"
+    grad = ("ValueError ring_attention: whether the output requires grad (q, k, v or a learned "
+            "parameter do; the backward is collective): expected the same value on every rank, "
+            "but the ranks differ (rank {}: {}, range over ranks: 0 to 1)")
     assert lines == sorted([disagree.format(kind, "q", rank, n, "k", rank, n)
                             for kind in ("ring_attention", "ulysses_attention")
                             for rank, n in ((0, 8), (1, 6))]
@@ -108,10 +113,25 @@ def test_bad_arguments_on_one_rank_raise_everywhere(tmp_path):
                            + ["TypeError ulysses_attention: q must be a torch.Tensor, got list",
                               "ValueError ulysses_attention: rank 1 of 2: q must be a "
                               "torch.Tensor, got list"]
-                           + [f"ValueError ring_attention: whether the output requires grad (q, "
-                              f"k, v or sinks do): expected the same value on every rank, but "
-                              f"the ranks differ (rank {rank}: {1 - rank}, range over ranks: 0 "
-                              f"to 1)" for rank in (0, 1)]), done.stdout
+                           + [grad.format(rank, 1 - rank) for rank in (0, 1)]), done.stdout
+
+
+def test_agreement_names_every_value_that_differs_at_the_int64_extremes():
+    # Two ranks in this process: each rank's `maximum` takes the other's vector in.
+    low, high = -2**63, 2**63 - 1
+    named = {0: [("a", 3), ("b", low), ("c", high)], 1: [("a", 4), ("b", high), ("c", high)]}
+    for rank in (0, 1):
+        other = [value for _, value in named[1 - rank]]
+        theirs = torch.tensor(other + [~value for value in other])
+        with pytest.raises(ValueError) as raised:
+            _collective.agree("kind", rank, named[rank],
+                              lambda xs: torch.maximum(torch.tensor(xs), theirs).tolist())
+        assert str(raised.value) == (
+            f"kind: a: expected the same value on every rank, but the ranks differ (rank {rank}: "
+            f"{3 + rank}, range over ranks: 3 to 4); b: expected the same value on every rank, "
+            f"but the ranks differ (rank {rank}: {named[rank][1][1]}, range over ranks: {low} to "
+            f"{high})")
+    _collective.agree("kind", 0, named[0], lambda xs: xs)  # one rank agrees with itself
 
 
 @pytest.fixture(scope="module")
