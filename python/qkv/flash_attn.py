@@ -192,16 +192,23 @@ def _fa_lse(lse: Tensor) -> Tensor:
     return torch.where(lse == -math.inf, math.inf, lse)
 
 
-def _probs(q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes,
-           cu_seqlens_q=None, cu_seqlens_k=None) -> Tensor:
-    """The attention probabilities [B, Hq, Nq, Nk] before dropout, float32
-    (float64 for float64 inputs)."""
+def _options(softmax_scale, causal, window: Tuple[int, int], softcap, alibi_slopes,
+             dropout_p=0.0, dropout_seed=0, learnable_sink=None) -> dict:
+    """qkv's options (the keywords of its option rows) for FlashAttention's
+    arguments of the same meaning: the one place that maps the two."""
+    return dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap,
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                sinks=learnable_sink)
+
+
+def _probs(q, k, v, options: dict, cu_seqlens_q=None, cu_seqlens_k=None) -> Tensor:
+    """The attention probabilities [B, Hq, Nq, Nk] of a call with `options`
+    (_options) before dropout and without the sinks, which cancel in S_dmask's
+    ratios to running maxima; float32 (float64 for float64 inputs)."""
+    scores_only = {**options, "dropout_p": 0.0, "sinks": None}
     with torch.no_grad():
-        r = _api.attention(
-            q.detach(), k.detach(), v.detach(), scale=softmax_scale, causal=causal,
-            window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_probs=True,
-        )
+        r = _api.attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, return_probs=True, **scores_only)
     return r.probs
 
 
@@ -263,24 +270,20 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
              with_s_dmask, learnable_sink, seed):
     """(out, softmax_lse, S_dmask or None) of q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]
     with dropout seed `seed`."""
-    window = _window(window_size)
-    out, lse = _ops.attention(
-        q, k, v, alibi_slopes=alibi_slopes, scale=softmax_scale, causal=causal,
-        window=window, softcap=softcap, dropout_p=dropout_p, dropout_seed=seed,
-        sinks=learnable_sink,
-    )
+    options = _options(softmax_scale, causal, _window(window_size), softcap, alibi_slopes,
+                       dropout_p, seed, learnable_sink)
+    out, lse = _ops.attention(q, k, v, **options)
     if not with_s_dmask:
         return out, _fa_lse(lse), None
-    probs = _probs(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
+    probs = _probs(q, k, v, options)
     return out, _fa_lse(lse), _s_dmask(probs, dropout_p, seed, q.dtype, q.shape[-1])
 
 
 def _varlen_probs(q, k, v, cu_q: Tensor, cu_k: Tensor, max_seqlen_q, max_seqlen_k,
-                  **options) -> Tensor:
+                  options: dict) -> Tensor:
     """The probabilities of a packed batch as [batch, Hq, max_seqlen_q,
     max_seqlen_k], each sequence's in the top-left corner, zeros elsewhere."""
-    packed = _probs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)[0]
+    packed = _probs(q, k, v, options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)[0]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
     lk = [b - a for a, b in zip(ck, ck[1:])]
@@ -338,7 +341,8 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     with_s_dmask, block_table, learnable_sink, seed):
     """(out, softmax_lse, S_dmask or None) of packed sequences, as _attend_varlen's,
     with dropout seed `seed`."""
-    window = _window(window_size)
+    options = _options(softmax_scale, causal, _window(window_size), softcap, alibi_slopes,
+                       dropout_p, seed, learnable_sink)
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if cu_q.shape[0] != cu_k.shape[0]:
@@ -352,17 +356,11 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         v = _gather_varlen_pages(v, "v", table, cu_k)
         cu_k = cu_k - cu_k[0]  # the gathered keys start at row 0
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    out, lse = _ops.attention(
-        q4, k4, v4, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        scale=softmax_scale, causal=causal, window=window, softcap=softcap,
-        dropout_p=dropout_p, dropout_seed=seed, sinks=learnable_sink,
-    )
+    out, lse = _ops.attention(q4, k4, v4, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
     out = out[0]
     if not with_s_dmask:
         return out, _fa_lse(lse[0]), None
-    probs = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale=softmax_scale, causal=causal, window=window,
-                          softcap=softcap, alibi_slopes=alibi_slopes)
+    probs = _varlen_probs(q4, k4, v4, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options)
     return out, _fa_lse(lse[0]), _s_dmask(probs, dropout_p, seed, q.dtype, q.shape[-1])
 
 
@@ -879,10 +877,8 @@ def flash_attn_with_kvcache(
         if leftpad is not None:
             mask = (torch.arange(nk)[None, :] >= leftpad[:, None]).view(batch, 1, 1, nk)
         out, lse = _ops.attention(
-            q, keys, values, mask=mask, alibi_slopes=alibi_slopes,
-            key_lengths=lengths.to(torch.int32), scale=softmax_scale, causal=causal,
-            window=window, softcap=softcap,
-        )
+            q, keys, values, mask=mask, key_lengths=lengths.to(torch.int32),
+            **_options(softmax_scale, causal, window, softcap, alibi_slopes))
     return (out, _fa_lse(lse)) if return_softmax_lse else out
 
 
@@ -1013,11 +1009,9 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     seed = _seed_of(rng_state, dropout_p)
     lse = torch.where(softmax_lse == math.inf, -math.inf, softmax_lse)  # qkv's empty rows
     with torch.no_grad():
-        g = _api.attention_backward(
-            q, k, v, out, dout, lse, scale=softmax_scale, causal=bool(causal),
-            window_left=int(window_size_left), window_right=int(window_size_right),
-            softcap=float(softcap), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
-            dropout_seed=seed)
+        g = _api.attention_backward(q, k, v, out, dout, lse, **_options(
+            softmax_scale, bool(causal), _window((window_size_left, window_size_right)),
+            float(softcap), alibi_slopes, float(dropout_p), seed))
         _gradients_into((g.dq, g.dk, g.dv), dq, dk, dv)
         return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
@@ -1037,10 +1031,10 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     with torch.no_grad():
         g = _api.attention_backward(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
-            dout.unsqueeze(0), lse.unsqueeze(0), scale=softmax_scale, causal=bool(causal),
-            window_left=int(window_size_left), window_right=int(window_size_right),
-            softcap=float(softcap), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
-            dropout_seed=seed, cu_seqlens_q=_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
-            cu_seqlens_k=_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"))
+            dout.unsqueeze(0), lse.unsqueeze(0),
+            cu_seqlens_q=_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
+            cu_seqlens_k=_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"), **_options(
+                softmax_scale, bool(causal), _window((window_size_left, window_size_right)),
+                float(softcap), alibi_slopes, float(dropout_p), seed))
         _gradients_into((g.dq[0], g.dk[0], g.dv[0]), dq, dk, dv)
         return (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
