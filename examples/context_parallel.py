@@ -12,8 +12,9 @@ larger, D = 32), takes its shard, and checks, in float32 and bfloat16:
   loss = (out * dout).sum(): out, lse, dq, dk, dv against the same rows of
   one single-process qkv.attention call; then ring (zigzag) and Ulysses
   (contiguous) again with a window, a padded sequence (key_lengths), ALiBi,
-  a softcap, dropout and learned sinks (their gradient d_sinks too), all
-  of the whole problem. The error model
+  a softcap, dropout, learned sinks and a learned logit scale per head
+  times ln of each row's keys (their gradients d_sinks and d_score_scale
+  too), all of the whole problem. The error model
   (docs/distributed.md): the distance to the exact (float64) result is at
   most twice the single call's plus 4 R u max|exact| (u = 2^-24: the
   merges run in float32; R = 1 for the all-to-all);
@@ -50,11 +51,16 @@ ROWS, BATCH, HEAD_DIM, SEED = 128, 1, 32, 2024
 def whole_options(hq: int, n_total: int) -> dict:
     """The position-based options of the whole problem that the "options"
     runs add to causal attention: a window, a padded sequence, ALiBi, a
-    softcap, dropout (the same mask as one call) and learned sinks."""
+    softcap, dropout (the same mask as one call), learned sinks and learned
+    logit scales (Scalable-Softmax: times ln of each row's keys)."""
     g = torch.Generator().manual_seed(SEED + 1)
     return dict(window=(96, 0), key_lengths=[n_total - 37], alibi_slopes=qkv.alibi_slopes(hq),
                 softcap=20.0, dropout_p=0.1, dropout_seed=7,
-                sinks=torch.randn(hq, generator=g))
+                sinks=torch.randn(hq, generator=g),
+                score_scale=0.25 + 0.25 * torch.rand(hq, generator=g), score_scale_log_n=True)
+
+
+LEARNED = ("sinks", "score_scale")  # the learned parameters among the options
 
 
 def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
@@ -70,7 +76,7 @@ def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
         gr = qkv.attention_backward(q, k, v, r.out, dout, r.lse, causal=True, backend=backend,
                                     **options)
         return {"out": r.out, "lse": r.lse, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv,
-                "d_sinks": gr.d_sinks}
+                **{"d_" + name: getattr(gr, "d_" + name) for name in LEARNED}}
 
     results = []
     for name, function, layout, options in (
@@ -84,8 +90,9 @@ def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
         rows = shard_rows(layout, rank, ranks, ROWS)
         qs, ks, vs = (x[:, rows].clone().requires_grad_(True) for x in (q, k, v))
         mine = dict(options)
-        if "sinks" in options:
-            mine["sinks"] = options["sinks"].clone().requires_grad_(True)
+        for learned in LEARNED:
+            if learned in options:
+                mine[learned] = options[learned].clone().requires_grad_(True)
         r = function(qs, ks, vs, layout=layout, causal=True, return_lse=True, **mine)
         (r.out.float() * dout[:, rows].float()).sum().backward()
         got = {"out": r.out.detach(), "lse": r.lse, "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
@@ -94,11 +101,12 @@ def attention_checks(rank: int, ranks: int, dtype: torch.dtype) -> list:
             results.append(check(f"{name} {str(dtype)[6:]} {what}", got[what],
                                  single[what].index_select(dim, rows),
                                  exact[what].index_select(dim, rows), merges))
-        if "sinks" in options:  # each rank's share, summed as data parallelism would
-            d_sinks = mine["sinks"].grad.clone()
-            dist.all_reduce(d_sinks)
-            results.append(check(f"{name} {str(dtype)[6:]} d_sinks", d_sinks,
-                                 single["d_sinks"], exact["d_sinks"], ranks))
+        for learned in LEARNED:  # each rank's share, summed as data parallelism would
+            if learned in options:
+                grad = mine[learned].grad.clone()
+                dist.all_reduce(grad)
+                results.append(check(f"{name} {str(dtype)[6:]} d_{learned}", grad,
+                                     single["d_" + learned], exact["d_" + learned], ranks))
     return results
 
 

@@ -37,6 +37,8 @@
 #include "error_bound.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
+#include "qkv/decode.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/positional.hpp"
 #include "reference/attention.hpp"
 #include "reference/backward.hpp"
@@ -87,6 +89,44 @@ inline Inputs make_inputs(std::int64_t b, std::int64_t nq, std::int64_t nk, std:
   return {random_tensor(dtype, {b, nq, hq, dk}, seed, -1.5, 1.5),
           random_tensor(dtype, {b, nk, hkv, dk}, seed + 1, -1.5, 1.5),
           random_tensor(dtype, {b, nk, hkv, dv}, seed + 2, -1.0, 1.0)};
+}
+
+// The loss L = sum out * dout of f64 inputs' forward with options o, in
+// double: what finite differences of the parameters' gradients difference.
+inline double output_loss(const Inputs& in, const Tensor& dout, AttentionOptions o) {
+  o.return_lse = false;
+  const Tensor out = qkv::attention(in.q, in.k, in.v, o).out;
+  double l = 0;
+  for (std::int64_t e = 0; e < out.numel(); ++e)
+    l += out.data<double>()[e] * dout.data<double>()[e];
+  return l;
+}
+
+// Decodes q_new, the last rows of sequences whose keys and values k and v
+// fill `cache`, with options o, and checks out and lse against the causal
+// forward's (bottom-right) in double by the tolerance policy: within twice
+// the same rows' naive f32 error, plus an ulp of the result.
+inline void expect_decode_matches_causal(ConstTensorView q_new, ConstTensorView k,
+                                         ConstTensorView v, const qkv::KvCache& cache,
+                                         AttentionOptions o, const std::string& label) {
+  o.return_lse = true;
+  const qkv::AttentionResult got = qkv::decode_attention(q_new, cache, o);
+  AttentionOptions ref_opt = o;
+  ref_opt.causal = true;
+  ref_opt.backend = qkv::Backend::reference;
+  const qkv::AttentionResult ref =
+      qkv::attention(qkv::to_dtype(q_new, DType::f64), qkv::to_dtype(k, DType::f64),
+                     qkv::to_dtype(v, DType::f64), ref_opt);
+  const qkv::detail::AttentionProblem p = qkv::detail::check_attention_inputs(q_new, k, v, ref_opt);
+  Tensor naive(DType::f32, ref.out.view().size_span());
+  Tensor naive_lse(DType::f32, ref.lse.view().size_span());
+  qkv::reference::naive_attention(p, q_new, k, v, {naive, naive_lse, {}}, ref_opt, DType::f32);
+  const double u = unit_roundoff(DType::f32);
+  EXPECT_LE(max_abs_diff(got.out, ref.out), 2 * max_abs_diff(naive, ref.out) + u * max_abs(ref.out))
+      << label << ": out";
+  EXPECT_LE(max_abs_diff(got.lse, ref.lse),
+            2 * max_abs_diff(naive_lse, ref.lse) + u * std::max(1.0, max_abs(ref.lse)))
+      << label << ": lse";
 }
 
 // Runs the fast backend and checks it against the reference with `rule`
@@ -281,6 +321,7 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
 
   EXPECT_EQ(fast.d_sinks.defined(), !opt.sinks.empty()) << label;
   EXPECT_EQ(ref.d_sinks.defined(), !opt.sinks.empty()) << label;
+  EXPECT_EQ(fast.d_score_scale.defined(), !opt.score_scale.empty()) << label;
   for (const Tensor* g : {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias, &fast.d_sinks}) {
     EXPECT_FALSE(g->defined() && has_non_finite(*g)) << label << ": a gradient has NaN or inf";
   }
@@ -309,6 +350,24 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     within("dv", fast.dv, ref.dv, bound.dv);
     if (fast.d_relative_bias.defined()) {
       within("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, bound.d_relative_bias);
+    }
+    if (fast.d_score_scale.defined()) {
+      // d_score_scale[h] = sum_(b, i) <dq_i, q_i> / score_scale[h]
+      // (core/score_scale.hpp, from dq' before dq's rounding): a linear
+      // functional of dq, off by at most sum_(b, i) |q_i|_1 |dq error| /
+      // |score_scale[h]|, plus its sum's roundings (f32 for f32 q).
+      for (std::int64_t h = 0; h < problem.hq; ++h) {
+        const double s =
+            std::fabs(static_cast<double>(opt.score_scale[static_cast<std::size_t>(h)]));
+        double q_sum = 0.0;
+        for (std::int64_t b = 0; b < q.size(0); ++b)
+          for (std::int64_t i = 0; i < q.size(1); ++i)
+            for (std::int64_t c = 0; c < q.size(3); ++c) q_sum += std::fabs(q.get({b, i, h, c}));
+        const double want = ref.d_score_scale.get({h}), got = fast.d_score_scale.get({h});
+        const double b_h =
+            s > 0 ? q_sum * bound.dq / s + unit_roundoff(DType::f32) * std::fabs(want) : kInf;
+        EXPECT_LE(std::fabs(got - want), b_h) << label << ": d_score_scale[" << h << "]";
+      }
     }
   }
   if (rule == Rule::worst_case) return fast;

@@ -12,7 +12,6 @@
 #include "attention_checks.hpp"
 #include "core/capabilities.hpp"
 #include "core/options.hpp"
-#include "reference/attention.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -23,10 +22,8 @@ using qkv::DType;
 using qkv::Tensor;
 using qkv::detail::Option;
 using qkv::detail::Path;
-using qkv::test::max_abs;
 using qkv::test::max_abs_diff;
 using qkv::test::random_tensor;
-using qkv::test::unit_roundoff;
 
 constexpr std::int64_t kB = 2, kN = 9, kHq = 2, kHkv = 1, kD = 8, kA = 4;
 
@@ -44,6 +41,7 @@ struct Case {
   std::vector<std::int64_t> lengths = {kN, 5}, cu = {0, 4, kN};
   std::vector<float> slopes = {0.5f, 0.25f};
   std::vector<float> sinks = {0.3f, -1.2f};
+  std::vector<float> scales = {0.8f, 1.3f};
   AttentionOptions o;
   bool packed = false;
 
@@ -104,6 +102,13 @@ void turn_on(Option option, Case& c) {
       return;
     case Option::sinks:
       o.sinks = c.sinks;
+      return;
+    case Option::score_scale:
+      o.score_scale = c.scales;
+      return;
+    case Option::score_scale_log_n:
+      o.score_scale = c.scales;
+      o.score_scale_log_n = true;
       return;
     case Option::relative_bias:
       o.relative_bias = {c.table, 16, true};
@@ -177,10 +182,13 @@ void prepare(Path path, Case& c) {
 }
 
 // Pairs that are not a combination of features: scale and score choose the
-// score, which the additive paths have chosen already.
+// score, which the additive paths have chosen already; score_scale (and its
+// log_n form) scales dot-product scores, and validation refuses it with
+// Score::additive (score_scale_test.cpp).
 bool combines(Path path, Option option) {
   const bool additive_path = path == Path::additive_backward || path == Path::additive_own_weights;
-  return !(additive_path && (option == Option::scale || option == Option::score));
+  return !(additive_path && (option == Option::scale || option == Option::score ||
+                             option == Option::score_scale || option == Option::score_scale_log_n));
 }
 
 void expect_names(const qkv::Error& e, Option option, const std::string& label) {
@@ -210,29 +218,9 @@ void run_decode(Case& c, bool supported, Option option, const std::string& label
     }
     return;
   }
-  AttentionOptions decode_opt = c.o;
-  decode_opt.return_lse = true;
-  const qkv::AttentionResult got = qkv::decode_attention(q_new, cache, decode_opt);
   // Decoding is causal attention of the new rows against every cached key
-  // (bottom-right by default; an option that moves them must show), out
-  // and lse.
-  AttentionOptions ref_opt = decode_opt;
-  ref_opt.causal = true;
-  ref_opt.backend = qkv::Backend::reference;
-  const qkv::AttentionResult ref =
-      qkv::attention(qkv::to_dtype(q_new, DType::f64), qkv::to_dtype(c.k, DType::f64),
-                     qkv::to_dtype(c.v, DType::f64), ref_opt);
-  const qkv::detail::AttentionProblem p =
-      qkv::detail::check_attention_inputs(q_new, c.k, c.v, ref_opt);
-  Tensor naive(DType::f32, ref.out.view().size_span());
-  Tensor naive_lse(DType::f32, ref.lse.view().size_span());
-  qkv::reference::naive_attention(p, q_new, c.k, c.v, {naive, naive_lse, {}}, ref_opt, DType::f32);
-  const double u = unit_roundoff(DType::f32);
-  EXPECT_LE(max_abs_diff(got.out, ref.out), 2 * max_abs_diff(naive, ref.out) + u * max_abs(ref.out))
-      << label << ": out";
-  EXPECT_LE(max_abs_diff(got.lse, ref.lse),
-            2 * max_abs_diff(naive_lse, ref.lse) + u * std::max(1.0, max_abs(ref.lse)))
-      << label << ": lse";
+  // (bottom-right by default; an option that moves them must show).
+  qkv::test::expect_decode_matches_causal(q_new, c.k, c.v, cache, c.o, label);
 }
 
 // The backward on Backend::fast: matches the reference, or names the option.

@@ -101,6 +101,26 @@ inline EngineTerms engine_terms(ConstTensorView q, ConstTensorView k, ConstTenso
   return t;
 }
 
+// options.score_scale (core/score_scale.hpp): the kernels run the queries
+// times c = score_scale[h] (times ln n_i <= ln Nk), rounded to f32 once,
+// and on an engine to bf16 (also for bf16 inputs); dq = c dq', dq' stored
+// in f32 first.
+struct ScoreScaleTerms {
+  double c = 1.0;       // bound on |c|
+  double rounding = 0;  // relative rounding of the scaled queries
+};
+
+inline ScoreScaleTerms score_scale_terms(const EngineTerms& engine, ConstTensorView k,
+                                         const AttentionOptions& o) {
+  ScoreScaleTerms t;
+  if (o.score_scale.empty()) return t;
+  t.c = 0.0;
+  for (const float c : o.score_scale) t.c = std::max(t.c, std::fabs(static_cast<double>(c)));
+  if (o.score_scale_log_n) t.c *= std::log(std::max(1.0, static_cast<double>(k.size(1))));
+  t.rounding = engine.on ? (1 + kU32) * (1 + kU16) - 1 : kU32;
+  return t;
+}
+
 struct ScoreErrorBound {
   double before_cap = 0.0;  // error of the score before the softcap
   double error = 0.0;       // d: error of the final score
@@ -138,14 +158,20 @@ inline ScoreErrorBound score_error_bound(ConstTensorView q, ConstTensorView k,
     // step of the product.
     const double scale = std::fabs(o.scale.value_or(
         o.score == Score::scaled_dot ? 1.0 / std::sqrt(static_cast<double>(q.size(3))) : 1.0));
-    const double d = static_cast<double>(q.size(3));
-    const double terms = scale * d * max_abs(q) * max_abs(k);
-    b.error = gamma_n(d + 2) * terms + kTiny32 * d * (1 + max_abs(k) + max_abs(q) * max_abs(k));
+    // With score_scale the queries are c q, rounded once more.
     const EngineTerms engine = engine_terms(q, k, k, o);  // v's dtype is k's (validated)
+    const ScoreScaleTerms c = score_scale_terms(engine, k, o);
+    const double d = static_cast<double>(q.size(3));
+    const double q_max = c.c * max_abs(q);
+    const double terms = scale * d * q_max * max_abs(k);
+    b.error = (1 + gamma_n(d + 2)) * (1 + c.rounding) * terms - terms +
+              kTiny32 * (d + 1) * (1 + max_abs(k) + q_max * max_abs(k));
     if (engine.on) {
-      // q and k rounded to bf16; DAZ of either operand and FTZ of each sum.
-      b.error += (2 * engine.inputs + engine.inputs * engine.inputs) * terms +
-                 scale * d * 0x1p-125 * (1 + max_abs(q) + max_abs(k));
+      // q and k rounded to bf16 (scaled queries: in c.rounding); DAZ of
+      // either operand and FTZ of each sum.
+      const double q_in = o.score_scale.empty() ? engine.inputs : 0.0;
+      b.error += ((1 + q_in) * (1 + engine.inputs) - 1) * terms +
+                 scale * d * 0x1p-125 * (1 + q_max + max_abs(k));
     }
     if (engine.int8) b.error = std::numeric_limits<double>::infinity();
     b.magnitude = terms;
@@ -288,6 +314,7 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
   // On an engine: dout and v rounded to bf16 (dP), P and dS rounded to bf16
   // before their products, q and k rounded too (dK, dQ), and flushes.
   const EngineTerms engine = engine_terms(q, k, v, o);
+  const ScoreScaleTerms c = score_scale_terms(engine, k, o);
   const double in = (1 + engine.inputs) * (1 + engine.inputs) - 1;
   const double flush = engine.on ? 0x1p-125 : 0.0;
   const double dp_error = keep * (gamma_n(dv) * dp_max + u * dp_max + 2 * dv * tiny + in * dp_max +
@@ -316,14 +343,19 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
   const auto finish = [&](double err, double exact_max, DType out) {
     return or_infinite(err + unit_roundoff(out) * (exact_max + err) + underflow(out));
   };
-  const auto gradient = [&](double x_max, double count, double mass, double sum) {
+  // With score_scale, dS is the scaled scores' (|c| times the raw scores'),
+  // dk's x is c q (rounded by c.rounding instead of the engine's inputs) and
+  // dq = c dq': both sums carry the factor c as if it were in the scale.
+  const double scale_c = scale * c.c;
+  const auto gradient = [&](double x_max, double x_rounding, double count, double mass,
+                            double sum) {
     // x (q or k) rounded to bf16 on an engine: its size grows by `inputs`.
-    const double x_err = engine.inputs * x_max;
+    const double x_err = x_rounding * x_max;
     const double raw = (x_max + x_err) * (mass * (e_s + sum * (1 + eta) * g_max) +
                                           count * phi_s * (1 + sum) + count * phi * g_max * sum) +
                        x_err * mass * (1 + eta) * g_max + 2 * count * tiny + count * flush;
     const double size = x_max * (mass * (1 + eta) * g_max + count * phi_s) + raw;
-    return scale * raw + (u * scale + tiny) * size + tiny;
+    return scale_c * raw + (u * scale_c + tiny) * size + tiny;
   };
   BackwardErrorBound b;
   const double sum_q = gamma_n(rows + 2);
@@ -334,8 +366,13 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
                          rows * phi * (1 + u) * (1 + sum_q) * (1 + p_round)) +
                     2 * rows * tiny + rows * flush,
                 m.max_dv, dout.dtype());
-  b.dq = finish(gradient(k_max, nk, 1.0, gamma_n(nk + 6)), m.max_dq, q.dtype());
-  b.dk = finish(gradient(q_max, rows, m.key_mass, sum_q), m.max_dk, k.dtype());
+  const double dq = gradient(k_max, engine.inputs, nk, 1.0, gamma_n(nk + 6));
+  // dq' rounded to f32 before dq = c dq' (in double).
+  const double dq_scaled = o.score_scale.empty() ? 0.0 : u * (m.max_dq + dq) + tiny;
+  b.dq = finish(dq + dq_scaled, m.max_dq, q.dtype());
+  b.dk = finish(
+      gradient(q_max, o.score_scale.empty() ? engine.inputs : c.rounding, rows, m.key_mass, sum_q),
+      m.max_dk, k.dtype());
   const double terms = static_cast<double>(q.size(0)) * nq * nk;
   const double sum_b = gamma_n(terms + 2);
   b.d_relative_bias = finish(m.bucket_mass * (e_bias + sum_b * (1 + eta) * g_max) +

@@ -29,7 +29,6 @@ using qkv::test::make_inputs;
 using qkv::test::max_abs;
 using qkv::test::max_abs_diff;
 using qkv::test::random_tensor;
-using qkv::test::unit_roundoff;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -157,16 +156,6 @@ TEST(Sinks, FullyMaskedRowHasZeroOutputAndTheSinkAsLse) {
   }
 }
 
-// The loss L = sum out * dout as a function of the sinks, in double.
-double loss(const qkv::test::Inputs& in, const Tensor& dout, AttentionOptions o) {
-  o.return_lse = false;
-  const Tensor out = qkv::attention(in.q, in.k, in.v, o).out;
-  double l = 0;
-  for (std::int64_t e = 0; e < out.numel(); ++e)
-    l += out.data<double>()[e] * dout.data<double>()[e];
-  return l;
-}
-
 TEST(Sinks, GradientMatchesCentralDifferences) {
   struct Case {
     const char* name;
@@ -205,9 +194,9 @@ TEST(Sinks, GradientMatchesCentralDifferences) {
       // The steps the f32 logits can take: h = 1e-6 rounded to f32.
       const float up = static_cast<float>(s + 1e-6), down = static_cast<float>(s - 1e-6);
       sinks[h] = up;
-      const double l_up = loss(in, dout, o);
+      const double l_up = qkv::test::output_loss(in, dout, o);
       sinks[h] = down;
-      const double l_down = loss(in, dout, o);
+      const double l_down = qkv::test::output_loss(in, dout, o);
       sinks[h] = s;
       const double fd = (l_up - l_down) / (static_cast<double>(up) - static_cast<double>(down));
       const double got = g.d_sinks.get({static_cast<std::int64_t>(h)});
@@ -285,27 +274,13 @@ TEST(Sinks, DecodeMatchesTheReference) {
       AttentionOptions o;
       o.sinks = sinks;
       o.return_lse = true;
-      const auto got = qkv::decode_attention(q_new, cache, o);
-
+      qkv::test::expect_decode_matches_causal(q_new, in.k, in.v, cache, o, label);
       AttentionOptions ref_opt = o;
       ref_opt.causal = true;
       ref_opt.backend = qkv::Backend::reference;
       const auto ref =
           qkv::attention(qkv::to_dtype(q_new, DType::f64), qkv::to_dtype(in.k, DType::f64),
                          qkv::to_dtype(in.v, DType::f64), ref_opt);
-      const qkv::detail::AttentionProblem p =
-          qkv::detail::check_attention_inputs(q_new, in.k, in.v, ref_opt);
-      Tensor naive(DType::f32, ref.out.view().size_span());
-      Tensor naive_lse(DType::f32, ref.lse.view().size_span());
-      qkv::reference::naive_attention(p, q_new, in.k, in.v, {naive, naive_lse, {}}, ref_opt,
-                                      DType::f32);
-      EXPECT_LE(max_abs_diff(got.out, ref.out),
-                2 * max_abs_diff(naive, ref.out) + unit_roundoff(DType::f32) * max_abs(ref.out))
-          << label;
-      EXPECT_LE(max_abs_diff(got.lse, ref.lse),
-                2 * max_abs_diff(naive_lse, ref.lse) +
-                    unit_roundoff(DType::f32) * std::max(1.0, max_abs(ref.lse)))
-          << label;
       // Backend::reference decodes through the reference too.
       AttentionOptions slow = o;
       slow.backend = qkv::Backend::reference;

@@ -173,6 +173,10 @@ struct ShardOffsets {
   X(std::span<const float>, alibi_slopes, {}, "[Hq], or [B * Hq] ([S * Hq] packed); empty = off") \
   X(std::span<const float>, sinks, {},                                                            \
     "[Hq] learned logit per query head joining each row's softmax denominator; empty = off")      \
+  X(std::span<const float>, score_scale, {},                                                      \
+    "[Hq] learned multiplier of head h's logits (dot-product scores); empty = off")               \
+  X(bool, score_scale_log_n, false,                                                               \
+    "with score_scale: also times ln(n_i), n_i the keys of row i's range (Scalable-Softmax)")     \
   X(RelativePositionBias, relative_bias, {}, "learned bias by relative position; off")            \
   X(double, softcap, 0.0, "c > 0 applies c * tanh(s / c); 0 = off")                               \
   X(ScoreMod, score_mod, {}, "score_mod(s, b, h, i, j) -> new score; empty = identity")           \

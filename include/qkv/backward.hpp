@@ -78,7 +78,8 @@ struct ParameterSizes {
     "[A]: additive.v")                                                                            \
   X(d_additive_bias, (s.attention_size), o.score == Score::additive && o.additive.bias.defined(), \
     "additive.bias", "[A]: additive.bias")                                                        \
-  X(d_sinks, (s.hq), !o.sinks.empty(), "sinks", "[Hq]: the sinks' logits")
+  X(d_sinks, (s.hq), !o.sinks.empty(), "sinks", "[Hq]: the sinks' logits")                        \
+  X(d_score_scale, (s.hq), !o.score_scale.empty(), "score_scale", "[Hq]: the logits' scales")
 
 // Gradients returned by the allocating overload; parameter gradients are
 // undefined when the options do not use the parameter.

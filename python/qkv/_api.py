@@ -254,9 +254,9 @@ def attention_backward(q, k, v, out, dout, lse, **options) -> AttentionGradients
     dout = dLoss/dout, as qkv::attention_backward (qkv/backward.hpp). The
     options must be the forward's. out and lse may both be None: the
     backward then computes them (without a forward pass for score="additive"
-    with key_lengths as the one mask). Returns AttentionGradients(dq, dk, dv,
-    d_relative_bias, d_additive_w_q, d_additive_w_k, d_additive_v,
-    d_additive_bias, d_sinks); the parameter gradients are None unless used."""
+    with key_lengths as the one mask). Returns AttentionGradients: dq, dk, dv
+    and one gradient per learnable parameter (qkv.PARAMETER_GRADIENTS, C++'s
+    names), None unless the options use the parameter."""
     return attention_backward_with(q, k, v, out, dout, lse, _options(**options))
 
 

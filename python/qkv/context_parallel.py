@@ -34,7 +34,8 @@ layout says which rows a rank holds:
 Options are qkv.attention's keywords and speak of the whole problem, as
 qkv.distributed's: scale, score="dot", causal with align, window=(left,
 right), key_lengths [B] (each <= R nk: padded sequences), alibi_slopes [Hq]
-or [B, Hq], sinks [Hq] (counted once per row; differentiable), softcap,
+or [B, Hq], sinks [Hq] (counted once per row; differentiable),
+score_scale [Hq] with score_scale_log_n (differentiable), softcap,
 dropout_p with dropout_seed / dropout_offset (the mask of one qkv.attention
 call on the gathered inputs) and backend; the others (masks, packed
 sequences, relative bias, additive scores, sparse patterns) are refused by
@@ -56,10 +57,10 @@ model).
 Tensors that require grad are differentiable (torch autograd); the
 backward is collective too, so every rank must run it (the collective check
 makes sure that every rank's output requires grad, or none's). q, k and v
-get the gradients of their shards; the sinks, replicated on every rank,
-get this rank's share of theirs, so that summing sinks.grad over the ranks
-(as data parallelism does for any replicated parameter) gives the whole
-problem's. Every call checks
+get the gradients of their shards; the learned parameters (sinks,
+score_scale), replicated on every rank, get this rank's share of theirs, so
+that summing their .grad over the ranks (as data parallelism does for any
+replicated parameter) gives the whole problem's. Every call checks
 its arguments collectively: when any rank's are bad or differ from the
 others', every rank raises ValueError (TypeError for a non-tensor) naming
 the rank and the argument, and nobody waits forever.
@@ -215,6 +216,8 @@ def _ring_forward(q, k, v, o, group, layout):
 
 
 def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
+    """(dq, dk, dv) of this rank's shards and {gradient: this rank's share}
+    of the parameters that the steps' accumulators give (score_scale's)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=_real(q))
     grads = None  # the arriving block's key/value gradients so far, with its receive
@@ -237,7 +240,11 @@ def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
         _wait(grads[1])
         dk, dv = _unbytes(grads[0], dk, dv)
         _wait(request for request, _ in pending)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    shares = {}
+    if o.score_scale is not None:  # the steps accumulated the scaled queries' gradient
+        shares["d_score_scale"] = torch.from_dlpack(_api._run(
+            _qkv.shard_score_scale_gradients, *_native(q, k, v, dq), o, layout, rank, ranks))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), shares
 
 
 def _sink_gradients(q, k, v, out, dout, lse, o, group, layout):
@@ -326,20 +333,24 @@ def _ulysses_rows(out, lse, group, layout):
     return rows, lse.squeeze(-1).transpose(1, 2).contiguous()
 
 
-def _ulysses_backward(saved, dout, o, group, layout, hkv, with_sinks):
+def _ulysses_backward(saved, dout, o, group, layout, hkv):
+    """(dq, dk, dv) of this rank's rows and {gradient: this rank's share} of
+    the parameters the options use: its heads' gradients, 0 for the others'
+    (qkv::dist's parameters are per head)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     qh, kh, vh, out, lse = saved
     doh = _to_heads(dout.to(out.dtype), group, layout)
     dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
-    d_sinks = torch.empty(qh.shape[2], dtype=lse.dtype) if with_sinks else None
-    _api._run(_qkv.heads_attention_backward, *_native(qh, kh, vh, out, doh, lse, dq, dk, dv),
-              None if d_sinks is None else _arrays.native(d_sinks, "d_sinks"), o, rank, ranks)
-    if d_sinks is not None:  # this rank's share: its heads' gradients, 0 for the others'
-        share = torch.zeros(qh.shape[2] * ranks, dtype=d_sinks.dtype)
-        share[rank * qh.shape[2]:(rank + 1) * qh.shape[2]] = d_sinks
-        d_sinks = share
+    mine = _api._run(_qkv.heads_attention_backward,
+                     *_native(qh, kh, vh, out, doh, lse, dq, dk, dv), o, rank, ranks)
+    shares = {}
+    for name, g in mine.items():
+        g = torch.from_dlpack(g)
+        share = g.new_zeros((g.shape[0] * ranks,) + tuple(g.shape[1:]))
+        share[rank * g.shape[0]:(rank + 1) * g.shape[0]] = g
+        shares[name] = share
     return (_to_rows(dq, group, layout), _kv_heads_grad(_to_rows(dk, group, layout), hkv),
-            _kv_heads_grad(_to_rows(dv, group, layout), hkv), d_sinks)
+            _kv_heads_grad(_to_rows(dv, group, layout), hkv), shares)
 
 
 # ---------------------------------------------------------------- calls
@@ -357,8 +368,8 @@ class _RingCall:
 
     def backward(self, saved, dout, wanted):
         q, k, v, out, lse = saved
-        dq, dk, dv = _ring_backward(q, k, v, out, dout, lse, self.o, self.group, self.layout)
-        shares = {}
+        dq, dk, dv, shares = _ring_backward(q, k, v, out, dout, lse, self.o, self.group,
+                                            self.layout)
         if "d_sinks" in wanted:
             shares["d_sinks"] = _sink_gradients(q, k, v, out, dout, lse, self.o, self.group,
                                                 self.layout)
@@ -378,9 +389,7 @@ class _UlyssesCall:
         return out, lse, saved
 
     def backward(self, saved, dout, wanted):
-        dq, dk, dv, d_sinks = _ulysses_backward(saved, dout, self.o, self.group, self.layout,
-                                                self.hkv, self.o.sinks is not None)
-        return dq, dk, dv, {} if d_sinks is None else {"d_sinks": d_sinks}
+        return _ulysses_backward(saved, dout, self.o, self.group, self.layout, self.hkv)
 
 
 def _attend(method, kind, q, k, v, group, layout, return_lse, options):

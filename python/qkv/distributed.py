@@ -49,7 +49,7 @@ installed, Debian's libopenmpi-dev) and mpi4py built for the same MPI.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 from . import _api, _arrays, _collective, _qkv
 from ._api import AttentionGradients, AttentionResult
@@ -169,9 +169,10 @@ class _Call:
         out, lse = _result(out, q, self.bf16_as_bits), _result(lse, q, False)
         return out, lse, (q, k, v, out, lse)
 
-    def gradients(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any, Any]:
-        """(dq, dk, dv, d_sinks): this rank's shards, and the sinks' gradient
-        of the whole problem (the same on every rank) or None."""
+    def gradients(self, q, k, v, out, dout, lse) -> Tuple[Any, Any, Any, Dict[str, Any]]:
+        """(dq, dk, dv, parameters): this rank's shards, and {gradient: the
+        whole problem's (the same on every rank)} of the parameters the
+        options use."""
         n = _arrays.native
         args = (self.handle, n(q, "q"), n(k, "k"), n(v, "v"), n(out, "out"), n(dout, "dout"),
                 n(lse, "lse"), self.options)
@@ -179,15 +180,14 @@ class _Call:
             grads = _call(_qkv.ulysses_attention_backward, *args, self.bf16_as_bits)
         else:
             grads = _call(_qkv.ring_attention_backward, *args, self.layout, self.bf16_as_bits)
-        dq, dk, dv, d_sinks = grads
+        dq, dk, dv, parameters = grads
         return (*(_result(g, q, self.bf16_as_bits) for g in (dq, dk, dv)),
-                None if d_sinks is None else _result(d_sinks, q, False))
+                {name: _result(g, q, False) for name, g in parameters.items()})
 
     def backward(self, saved, dout, wanted) -> Tuple[Any, Any, Any, dict]:
         """The shared autograd Function's backward: the parameters' shares."""
         q, k, v, out, lse = saved
-        dq, dk, dv, d_sinks = self.gradients(q, k, v, out, dout, lse)
-        whole = {} if d_sinks is None else {"d_sinks": d_sinks}
+        dq, dk, dv, whole = self.gradients(q, k, v, out, dout, lse)
         return dq, dk, dv, _collective.whole_as_share(whole, self.rank)
 
 
@@ -248,10 +248,10 @@ def _gradients(function: str, q, k, v, out, dout, lse, comm, layout: Optional[st
     arrays = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"))
     call = _prepare(handle, function, arrays, layout, options)
     try:
-        dq, dk, dv, d_sinks = call.gradients(q, k, v, out, dout, lse)
+        dq, dk, dv, parameters = call.gradients(q, k, v, out, dout, lse)
     except TypeError as error:
         _fail(handle, function, error)
-    return AttentionGradients(dq, dk, dv, d_sinks=d_sinks)
+    return AttentionGradients(dq, dk, dv, **parameters)
 
 
 def ring_attention(
@@ -283,18 +283,20 @@ def ring_attention(
     Options as qkv.attention's keywords, of the whole problem; qkv::dist
     takes scale, score="dot", causal with align, window=(left, right),
     key_lengths [B] (each <= Nk = R nk), alibi_slopes [Hq] or [B, Hq],
-    sinks [Hq] (counted once per row, not per piece), softcap, dropout_p
-    with dropout_seed / dropout_offset (the same mask as one qkv.attention
-    call) and backend, and refuses the others by name.
+    sinks [Hq] (counted once per row, not per piece), score_scale [Hq] with
+    score_scale_log_n (ln of each row's keys in the whole problem), softcap,
+    dropout_p with dropout_seed / dropout_offset (the same mask as one
+    qkv.attention call) and backend, and refuses the others by name.
 
     Returns out, or AttentionResult(out, lse, None) with return_lse; the kind
     of array q is. With torch tensors that require grad, out is
     differentiable (lse is not): every rank must then run backward through it,
     and the ranks must agree on it (where they differ, every rank raises
     ValueError before any other message).
-    The sinks' gradient (sinks.grad) is each rank's share of the whole
-    problem's (rank 0 holds it, the others zeros), so that summing it over
-    the ranks, as data parallelism does for replicated parameters, gives it.
+    A learned parameter's gradient (sinks.grad, score_scale.grad) is each
+    rank's share of the whole problem's (rank 0 holds it, the others zeros),
+    so that summing it over the ranks, as data parallelism does for
+    replicated parameters, gives it.
     """
     return _attend(
         "ring_attention", q, k, v, comm, layout, return_lse,
@@ -345,9 +347,10 @@ def ring_attention_backward(
     (what autograd runs; for NumPy arrays). Collective. Takes this rank's
     shards of q, k, v, the forward's out and lse (return_lse=True) and dout =
     dLoss/dout [B, nq, Hq, Dv], with the forward's layout and options.
-    Returns AttentionGradients(dq, dk, dv, d_sinks=...): this rank's
-    shards, dtype of q, and with sinks d_sinks [Hq] of the whole problem
-    (every rank's rows; the same on every rank). Bitwise deterministic for a given rank count, layout and
+    Returns AttentionGradients(dq, dk, dv, ...): this rank's shards, dtype
+    of q, and the gradients of the parameters the options use (d_sinks,
+    d_score_scale [Hq]) of the whole problem (every rank's rows; the same on
+    every rank). Bitwise deterministic for a given rank count, layout and
     thread count."""
     return _gradients(
         "ring_attention_backward", q, k, v, out, dout, lse, comm, layout,

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "gradients.hpp"
 #include "options.hpp"
 #include "qkv/error.hpp"
 #include "shards.hpp"
@@ -146,7 +147,7 @@ void take_backward_inputs(Call& c, const In& q, const In& k, const In& v, const 
 }
 
 using Result = std::pair<Array, std::optional<Array>>;
-using Gradients = std::tuple<Array, Array, Array, std::optional<Array>>;
+using Gradients = std::tuple<Array, Array, Array, nb::dict>;
 
 Result result_of(AttentionResult r, bool return_lse, bool bf16_as_bits) {
   std::optional<Array> lse;
@@ -155,10 +156,9 @@ Result result_of(AttentionResult r, bool return_lse, bool bf16_as_bits) {
 }
 
 Gradients gradients_of(AttentionGradients g, bool bf16_as_bits) {
-  std::optional<Array> d_sinks;
-  if (g.d_sinks.defined()) d_sinks = owning_array(std::move(g.d_sinks));
+  nb::dict parameters = parameter_arrays(g);
   return {owning_array(std::move(g.dq), bf16_as_bits), owning_array(std::move(g.dk), bf16_as_bits),
-          owning_array(std::move(g.dv), bf16_as_bits), std::move(d_sinks)};
+          owning_array(std::move(g.dv), bf16_as_bits), std::move(parameters)};
 }
 
 Result ring_attention_py(MPI_Fint comm, const In& q, const In& k, const In& v,
@@ -235,8 +235,9 @@ void bind_distributed(nb::module_& m) {
         "lse [B, Hq, nq] or None). Collective.");
   m.def("ring_attention_backward", &ring_attention_backward_py, "comm"_a, "q"_a, "k"_a, "v"_a,
         "out"_a, "dout"_a, "lse"_a, "options"_a, "layout"_a, "bf16_as_bits"_a,
-        "qkv::dist::ring_attention_backward: this rank's (dq, dk, dv) and d_sinks (the whole "
-        "problem's, or None without sinks). Collective.");
+        "qkv::dist::ring_attention_backward: this rank's (dq, dk, dv) and {row name: the whole "
+        "problem's gradient} of the parameters the options use (sinks, score_scale). "
+        "Collective.");
   m.def("ulysses_attention", &ulysses_attention_py, "comm"_a, "q"_a, "k"_a, "v"_a, "options"_a,
         "return_lse"_a, "bf16_as_bits"_a,
         "qkv::dist::ulysses_attention (all-to-all; contiguous shards, Hq and Hkv multiples of "

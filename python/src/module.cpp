@@ -19,6 +19,7 @@
 
 #include "arrays.hpp"
 #include "exchange.hpp"
+#include "gradients.hpp"
 #include "options.hpp"
 #include "qkv/qkv.hpp"
 #include "shards.hpp"
@@ -37,15 +38,6 @@ void attention_into_py(const In& q, const In& k, const In& v, const Out& out,
   const AttentionOutputs outputs{view_of(out, "out"), view_of(lse, "lse"), view_of(probs, "probs")};
   nb::gil_scoped_release release;
   attention_into(qv, kv, vv, outputs, o);
-}
-
-// The names of the parameter gradients, in the rows' order.
-std::vector<std::string> parameter_gradient_names() {
-  return {
-#define QKV_PARAMETER_NAME(gradient, sizes, used, option, doc) #gradient,
-      QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_NAME)
-#undef QKV_PARAMETER_NAME
-  };
 }
 
 // (name, shape) of each parameter gradient the call computes.
@@ -68,21 +60,7 @@ void attention_backward_into_py(const In& q, const In& k, const In& v, const std
                         lv = view_of(lse, "lse");
   const AttentionOptions o = options.to_cpp();
   GradientOutputs grads{.dq = view_of(dq, "dq"), .dk = view_of(dk, "dk"), .dv = view_of(dv, "dv")};
-  for (auto [key, value] : parameter_grads) {
-    const std::string name = nb::cast<std::string>(key);
-    const Out array = nb::cast<Out>(value);
-#define QKV_PARAMETER_OUTPUT(gradient, sizes, used, option, doc) \
-  if (name == #gradient) {                                       \
-    grads.gradient = view_of(array, #gradient);                  \
-    continue;                                                    \
-  }
-    QKV_ATTENTION_PARAMETERS(QKV_PARAMETER_OUTPUT)
-#undef QKV_PARAMETER_OUTPUT
-    std::string known;
-    for (const std::string& n : parameter_gradient_names())
-      known += (known.empty() ? "" : ", ") + n;
-    throw Error("parameter_grads: expected names among " + known + ", got '" + name + "'");
-  }
+  take_parameter_gradients(parameter_grads, grads);
   nb::gil_scoped_release release;
   attention_backward_into(qv, kv, vv, ov, dov, lv, grads, o);
 }

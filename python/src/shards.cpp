@@ -8,6 +8,7 @@
 //   ring_add_sinks      the sinks, once, after the last step
 //   ring_backward_step  one step's gradients, added into accumulators
 //   shard_sink_gradients  this rank's rows' part of d_sinks
+//   shard_score_scale_gradients  dq' to dq, and this rank's part of d_score_scale
 //   heads_attention(_backward)  an all-to-all rank's heads over the whole sequence
 //
 // Every function takes the arguments of the whole call (the options of the
@@ -29,8 +30,11 @@
 #include <tuple>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "arrays.hpp"
+#include "core/parameters.hpp"
 #include "dist/pieces.hpp"
+#include "gradients.hpp"
 #include "options.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
@@ -204,6 +208,27 @@ Array shard_sink_gradients(const In& q, const In& k, const In& v, const In& out,
   return owning_array(std::move(d));
 }
 
+Array shard_score_scale_gradients(const In& q, const In& k, const In& v, const Out& dq,
+                                  const Options& options, const std::string& layout, int rank,
+                                  int ranks) {
+  check_ranks(rank, ranks);
+  const AttentionOptions& o = options.to_cpp();
+  if (o.score_scale.empty()) throw Error("options.score_scale: expected [Hq] scales, got none");
+  const ConstTensorView qv = view_of(q, "q");
+  const Setup s = dist::detail::setup_of(qv, view_of(k, "k"), view_of(v, "v"), o,
+                                         spec_of("ring_attention_backward", layout), rank, ranks);
+  const DType real = working_type(s);
+  const TensorView acc = accumulator(dq, "dq", real, {s.batch, s.nq, s.hq, s.dk});
+  Tensor share;
+  {
+    nb::gil_scoped_release release;
+    share = real == DType::f64
+                ? dist::detail::finish_score_scale<double>(s, o, qv, data_of<double>(acc))
+                : dist::detail::finish_score_scale<float>(s, o, qv, data_of<float>(acc));
+  }
+  return owning_array(std::move(share));
+}
+
 // The geometry head_options reads: Hq of the whole problem, this rank of
 // `ranks`, from head-sharded q [B, N, Hq / R, Dk].
 Setup heads_of(ConstTensorView q, const AttentionOptions& o, int rank, int ranks) {
@@ -219,6 +244,10 @@ Setup heads_of(ConstTensorView q, const AttentionOptions& o, int rank, int ranks
   if (!o.sinks.empty() && o.sinks.size() != hq) {
     throw Error("options.sinks: expected Hq = " + std::to_string(hq) + " logits (the heads of " +
                 "all ranks), got " + std::to_string(o.sinks.size()));
+  }
+  if (!o.score_scale.empty() && o.score_scale.size() != hq) {
+    throw Error("options.score_scale: expected Hq = " + std::to_string(hq) +
+                " scales (the heads of all ranks), got " + std::to_string(o.score_scale.size()));
   }
   if (!o.alibi_slopes.empty() && (hq == 0 || o.alibi_slopes.size() % hq != 0)) {
     throw Error("options.alibi_slopes: expected a multiple of Hq = " + std::to_string(hq) +
@@ -238,20 +267,28 @@ void heads_attention(const In& q, const In& k, const In& v, const Out& out, cons
   attention_into(qv, kv, vv, outputs, o);
 }
 
-void heads_attention_backward(const In& q, const In& k, const In& v, const In& out, const In& dout,
-                              const In& lse, const Out& dq, const Out& dk, const Out& dv,
-                              const std::optional<Out>& d_sinks, const Options& options, int rank,
-                              int ranks) {
+nb::dict heads_attention_backward(const In& q, const In& k, const In& v, const In& out,
+                                  const In& dout, const In& lse, const Out& dq, const Out& dk,
+                                  const Out& dv, const Options& options, int rank, int ranks) {
   const ConstTensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
   const ConstTensorView ov = view_of(out, "out"), gv = view_of(dout, "dout"),
                         lv = view_of(lse, "lse");
   std::vector<float> slopes;
   const AttentionOptions o = dist::detail::head_options(
       options.to_cpp(), heads_of(qv, options.to_cpp(), rank, ranks), slopes);
-  GradientOutputs grads{.dq = view_of(dq, "dq"), .dk = view_of(dk, "dk"), .dv = view_of(dv, "dv")};
-  grads.d_sinks = view_of(d_sinks, "d_sinks");
-  nb::gil_scoped_release release;
-  attention_backward_into(qv, kv, vv, ov, gv, lv, grads, o);
+  // The gradients of the parameters the options use, for this rank's heads.
+  AttentionGradients parameters;
+  qkv::detail::allocate_parameter_gradients(qkv::detail::check_attention_inputs(qv, kv, vv, o), o,
+                                            parameters);
+  GradientOutputs grads = qkv::detail::views_of(parameters);
+  grads.dq = view_of(dq, "dq");
+  grads.dk = view_of(dk, "dk");
+  grads.dv = view_of(dv, "dv");
+  {
+    nb::gil_scoped_release release;
+    attention_backward_into(qv, kv, vv, ov, gv, lv, grads, o);
+  }
+  return parameter_arrays(parameters);
 }
 
 }  // namespace
@@ -279,14 +316,20 @@ void bind_shards(nb::module_& m) {
   m.def("shard_sink_gradients", &shard_sink_gradients, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a,
         "lse"_a, "options"_a, "layout"_a, "rank"_a, "ranks"_a,
         "This rank's rows' part of d_sinks [Hq]; the whole problem's is the sum over the ranks.");
+  m.def("shard_score_scale_gradients", &shard_score_scale_gradients, "q"_a, "k"_a, "v"_a, "dq"_a,
+        "options"_a, "layout"_a, "rank"_a, "ranks"_a,
+        "With options.score_scale: dq, ring_backward_step's accumulator of the gradient of the "
+        "scaled queries, turned into q's gradient in place; returns this rank's rows' part of "
+        "d_score_scale [Hq] (the whole problem's is the sum over the ranks).");
   m.def("heads_attention", &heads_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "options"_a,
         "rank"_a, "ranks"_a,
         "An all-to-all rank's attention: its Hq / R heads of the whole sequence (q [B, N, Hq / R, "
         "Dk]) with the options of the whole problem (dropout streams, ALiBi slopes and sinks of "
         "those heads).");
   m.def("heads_attention_backward", &heads_attention_backward, "q"_a, "k"_a, "v"_a, "out"_a,
-        "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "d_sinks"_a.none(), "options"_a, "rank"_a,
-        "ranks"_a, "The gradients of heads_attention (d_sinks of this rank's heads).");
+        "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "options"_a, "rank"_a, "ranks"_a,
+        "The gradients of heads_attention into dq, dk, dv; returns {row name: gradient} of the "
+        "parameters the options use, for this rank's heads.");
 }
 
 }  // namespace qkv::python

@@ -45,8 +45,8 @@ def test_example_under_torchrun(ranks):
     checks = [f"{run} {dtype} {what}" for dtype in ("float32", "bfloat16")
               for run in ("ring contiguous", "ring zigzag", "ulysses zigzag",
                           "ring zigzag options", "ulysses contiguous options")
-              for what in ("out", "lse", "dq", "dk", "dv", "d_sinks")
-              if what != "d_sinks" or run.endswith("options")]
+              for what in ("out", "lse", "dq", "dk", "dv", "d_sinks", "d_score_scale")
+              if not what.startswith("d_s") or run.endswith("options")]
     checks += ["training step loss", "training step gradients"]
     assert len(lines) == len(checks) + 1, done.stdout
     for check, line in zip(checks, lines):
@@ -238,14 +238,17 @@ def test_one_rank_any_shape(group, function, layout, causal, half, heads, d, see
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
 def test_one_rank_with_options(group, function, layout):
     # The options of the whole problem reach every piece: one rank gives
-    # one qkv.attention call's result and gradients, the sinks' included
-    # (and dropout's mask).
+    # one qkv.attention call's result and gradients, the learned
+    # parameters' included (and dropout's mask).
     q, k, v = (x.requires_grad_(True) for x in inputs())
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    scales = torch.tensor([0.75, -0.5, 1.25, 0.25], requires_grad=True)
     options = dict(causal=True, window=(5, 0), key_lengths=[16, 11], softcap=8.0,
-                   alibi_slopes=qkv.alibi_slopes(4), dropout_p=0.2, dropout_seed=3)
-    r = function(q, k, v, group, layout=layout, return_lse=True, sinks=sinks, **options)
-    plain = dict(options, sinks=sinks.detach())
+                   alibi_slopes=qkv.alibi_slopes(4), dropout_p=0.2, dropout_seed=3,
+                   score_scale_log_n=True)
+    r = function(q, k, v, group, layout=layout, return_lse=True, sinks=sinks,
+                 score_scale=scales, **options)
+    plain = dict(options, sinks=sinks.detach(), score_scale=scales.detach())
     want = qkv.attention(q.detach(), k.detach(), v.detach(), return_lse=True, **plain)
     torch.testing.assert_close(r.out, want.out, rtol=0, atol=1e-6)
     torch.testing.assert_close(r.lse, want.lse, rtol=0, atol=1e-6)
@@ -253,5 +256,6 @@ def test_one_rank_with_options(group, function, layout):
     (r.out * dout).sum().backward()
     g = qkv.attention_backward(q.detach(), k.detach(), v.detach(), want.out, dout, want.lse,
                                **plain)
-    for got, expected in ((q.grad, g.dq), (k.grad, g.dk), (v.grad, g.dv), (sinks.grad, g.d_sinks)):
+    for got, expected in ((q.grad, g.dq), (k.grad, g.dk), (v.grad, g.dv), (sinks.grad, g.d_sinks),
+                          (scales.grad, g.d_score_scale)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -148,6 +148,9 @@ EVERY_OPTION = """
         dict(causal=True, key_lengths=[n * ranks - 3, 5]),
         dict(causal=True, dropout_p=0.25, dropout_seed=99, dropout_offset=3),
         dict(causal=True, key_lengths=[0, 5], sinks=[1.5, -0.5, 0.25, -3.0]),
+        dict(causal=True, window=(6, 0), key_lengths=[n * ranks - 2, 7],
+             score_scale=[0.75, -0.5, 1.5, 0.25], score_scale_log_n=True,
+             sinks=[1.5, -0.5, 0.25, -3.0]),
     ]
     worst = 0.0
     for o in options:
@@ -164,33 +167,37 @@ EVERY_OPTION = """
                                                **o)
             pairs = [(r.out, whole.out[:, rows]), (r.lse, whole.lse[:, :, rows]),
                      (gs.dq, g.dq[:, rows]), (gs.dk, g.dk[:, rows]), (gs.dv, g.dv[:, rows])]
-            assert (gs.d_sinks is None) == ("sinks" not in o), (how, o)
-            if "sinks" in o:
-                pairs.append((gs.d_sinks, g.d_sinks))
+            for name in ("sinks", "score_scale"):  # the learned parameters qkv::dist takes
+                assert (getattr(gs, "d_" + name) is None) == (name not in o), (how, o)
+                if name in o:
+                    pairs.append((getattr(gs, "d_" + name), getattr(g, "d_" + name)))
             for got, want in pairs:
                 finite = np.isfinite(want)
                 assert np.array_equal(np.isfinite(got), finite), (how, o)
                 error = np.abs(got[finite] - want[finite]).max(initial=0.0)
                 assert error < 1e-12, (how, o, error)
                 worst = max(worst, error)
-    # Autograd: each rank's sinks.grad is its share; the shares sum to d_sinks.
+    # Autograd: each rank's sinks.grad and score_scale.grad are its shares;
+    # the shares sum to d_sinks and d_score_scale.
     import torch
 
     o = options[-1]
     whole = qkv.attention(q, k, v, return_lse=True, **o)
     g = qkv.attention_backward(q, k, v, whole.out, dout, whole.lse, **o)
     for how, rows in [*layouts.items(), ("ulysses", layouts["contiguous"])]:
-        sinks = torch.tensor(o["sinks"], dtype=torch.float64, requires_grad=True)
+        params = {name: torch.tensor(o[name], dtype=torch.float64, requires_grad=True)
+                  for name in ("sinks", "score_scale")}
         qs, ks, vs, ds = (torch.from_numpy(x[:, rows]) for x in (q, k, v, dout))
-        kw = dict(o, sinks=sinks)
+        kw = dict(o, **params)
         if how == "ulysses":
             out = d.ulysses_attention(qs.requires_grad_(), ks, vs, comm, **kw)
         else:
             out = d.ring_attention(qs.requires_grad_(), ks, vs, comm, layout=how, **kw)
         (out * ds).sum().backward()
-        error = np.abs(comm.allreduce(sinks.grad.numpy()) - g.d_sinks).max()
-        assert error < 1e-12, (how, error)
-        worst = max(worst, error)
+        for name, p in params.items():
+            error = np.abs(comm.allreduce(p.grad.numpy()) - getattr(g, "d_" + name)).max()
+            assert error < 1e-12, (how, name, error)
+            worst = max(worst, error)
     worst = comm.gather(worst)  # printed by rank 0 alone: the ranks' lines would interleave
     if rank == 0:
         print("worst", *worst)

@@ -278,23 +278,59 @@ def _eager_with_sinks(q, k, v, sinks, causal):
     return torch.einsum("bhij,bjhd->bihd", p, vv)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sink_gradients_match_autograd_of_the_definition(causal):
-    g = torch.Generator().manual_seed(5)
+def _check_against_definition(seed, parameter, got_fn, want_fn):
+    """qkv's operator and autograd against the definition's eager autograd,
+    float64 on both sides (a few ulps of the sums' magnitudes): q [2, 5, 4,
+    8], k [2, 6, 2, 8], v [2, 6, 2, 3] and a learned [Hq] parameter whose
+    values float32 holds exactly (qkv keeps them as float32)."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 5, 4, 8, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(2, 6, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(2, 6, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
-    # float32 values: qkv holds the sinks as float32, so both sides see the same logits.
-    sinks = torch.tensor([0.5, -1.25, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    p = torch.tensor(parameter, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, 5, 4, 3, dtype=torch.float64, generator=g)
-    got = _ops.attention(q, k, v, sinks=sinks, causal=causal)[0]
-    want = _eager_with_sinks(q, k, v, sinks, causal)
-    got_grads = torch.autograd.grad(got, (q, k, v, sinks), dout)
-    want_grads = torch.autograd.grad(want, (q, k, v, sinks), dout)
-    # float64 on both sides: a few ulps of the sums' magnitudes.
+    got, want = got_fn(q, k, v, p), want_fn(q, k, v, p)
+    got_grads = torch.autograd.grad(got, (q, k, v, p), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v, p), dout)
     assert (got - want).abs().max().item() < 1e-12
     for a, b in zip(got_grads, want_grads):
         assert (a - b).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_gradients_match_autograd_of_the_definition(causal):
+    _check_against_definition(
+        5, [0.5, -1.25, 2.0, 0.0],
+        lambda q, k, v, sinks: _ops.attention(q, k, v, sinks=sinks, causal=causal)[0],
+        lambda q, k, v, sinks: _eager_with_sinks(q, k, v, sinks, causal))
+
+
+def _eager_with_score_scale(q, k, v, scales, causal, log_n):
+    """Scaled dot-product attention whose head h's logits are multiplied by
+    scales[h] (and by ln of the keys row i admits, Scalable-Softmax)."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * q.shape[-1] ** -0.5
+    nq, nk = s.shape[-2:]
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        keep = keep.tril(nk - nq)
+    factor = scales.reshape(1, -1, 1, 1)
+    if log_n:
+        factor = factor * keep.sum(-1).double().log().reshape(1, 1, -1, 1)
+    s = (s * factor).masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("causal, log_n", [(False, False), (True, False), (True, True)])
+def test_score_scale_gradients_match_autograd_of_the_definition(causal, log_n):
+    # The learned per-head logit scale: an operator tensor by its row, so
+    # autograd gives it its gradient (d_score_scale) with no code of its own.
+    _check_against_definition(
+        7, [0.5, -1.25, 2.0, 0.75],
+        lambda q, k, v, c: _ops.attention(q, k, v, score_scale=c, score_scale_log_n=log_n,
+                                          causal=causal)[0],
+        lambda q, k, v, c: _eager_with_score_scale(q, k, v, c, causal, log_n))
 
 
 def test_sinks_in_bfloat16_are_differentiable():

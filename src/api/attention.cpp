@@ -4,6 +4,7 @@
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/isa.hpp"
+#include "core/score_scale.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -19,8 +20,10 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
               ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
               const detail::TileMods* mods) {
   if (const detail::DilatedSplit split = detail::dilated_split(problem, options);
-      split.dilation > 1 && mods == nullptr && !outputs.probs.defined()) {
-    // One dense window problem per residue class (see dilated_split).
+      split.dilation > 1 && mods == nullptr && !outputs.probs.defined() && q.dtype() == k.dtype()) {
+    // One dense window problem per residue class (see dilated_split), each
+    // validated, which needs q's dtype to be k's (queries scaled in f32 are
+    // not, score_scale.hpp).
     const AttentionOptions window = split.window_options(options);
     bool finite = true;
     for (std::int64_t c = 0; c < std::min(split.dilation, problem.nq); ++c) {
@@ -72,6 +75,17 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
 void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
          ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
          const detail::TileMods* mods) {
+  if (!options.score_scale.empty()) {  // every path runs the scaled queries (score_scale.hpp)
+    const AttentionOptions rest = detail::without_score_scale(options);
+    if (detail::use_fast_kernels(options, problem.dtype) &&
+        run_fast(problem, detail::scaled_queries(problem, q, options, DType::f32), k, v, outputs,
+                 rest, mods)) {
+      return;
+    }
+    reference::attention(problem, detail::scaled_queries(problem, q, options, DType::f64), k, v,
+                         outputs, rest);
+    return;
+  }
   if (detail::use_fast_kernels(options, problem.dtype) &&
       run_fast(problem, q, k, v, outputs, options, mods)) {
     return;

@@ -10,6 +10,7 @@
 #include "core/isa.hpp"
 #include "core/parameters.hpp"
 #include "core/philox.hpp"
+#include "core/score_scale.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
@@ -24,8 +25,11 @@ namespace {
 bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
               ConstTensorView v, ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
               const GradientOutputs& grads, const AttentionOptions& o) {
-  if (const detail::DilatedSplit split = detail::dilated_split(p, o); split.dilation > 1) {
-    // One dense window problem per residue class (see dilated_split).
+  if (const detail::DilatedSplit split = detail::dilated_split(p, o);
+      split.dilation > 1 && q.dtype() == k.dtype()) {
+    // One dense window problem per residue class (see dilated_split), each
+    // validated, which needs q's dtype to be k's (queries scaled in f32 are
+    // not, score_scale.hpp).
     const AttentionOptions window = split.window_options(o);
     bool finite = true;
     for (std::int64_t c = 0; c < std::min(split.dilation, p.nq); ++c) {
@@ -122,6 +126,24 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
   Tensor forward_out, forward_lse;
+  if (!o.score_scale.empty()) {  // the gradients of the scaled queries (score_scale.hpp)
+    if (!out.defined()) {        // the forward's, with the scale (the scaled queries are wider)
+      forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+      forward_lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
+      attention_into(q, k, v, {forward_out, forward_lse, {}}, o);
+      out = forward_out;
+      lse = forward_lse;
+    }
+    const DType wide = detail::use_fast_kernels(o, p.dtype) ? DType::f32 : DType::f64;
+    const Tensor scaled = detail::scaled_queries(p, q, o, wide);
+    Tensor d_scaled(wide, {p.batch, p.nq, p.hq, p.dq});
+    GradientOutputs inner = grads;
+    inner.dq = d_scaled;
+    inner.d_score_scale = {};
+    run(p, scaled, k, v, out, dout, lse, inner, detail::without_score_scale(o));
+    detail::score_scale_gradients(p, q, d_scaled, o, grads.dq, grads.d_score_scale);
+    return;
+  }
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);
   if (grads.d_sinks.defined()) reference::sink_gradients(p, out, dout, lse, o, grads.d_sinks);
 }

@@ -52,6 +52,8 @@ constexpr Row kTable[] = {
     {Option::mask,           "yyy----"},
     {Option::alibi_slopes,   "yyy--yy"},
     {Option::sinks,          "yyy-yyy"},
+    {Option::score_scale,    "yy---yy"},
+    {Option::score_scale_log_n, "yy---yy"},
     {Option::softcap,        "yy--yyy"},
     {Option::score_mod,      "y------"},
     {Option::mask_mod,       "yyy----"},

@@ -14,6 +14,7 @@
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/key_range.hpp"
+#include "core/score_scale.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "qkv/backward.hpp"
 #include "reference/backward.hpp"
@@ -293,7 +294,27 @@ AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
   if (!o.sinks.empty()) {
     p.sinks = o.sinks.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
   }
+  if (!o.score_scale.empty()) {
+    p.score_scale =
+        o.score_scale.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
+  }
   return p;
+}
+
+std::vector<qkv::detail::ScaledRow> shard_scaled_rows(const Setup& s, const AttentionOptions& o) {
+  std::vector<qkv::detail::ScaledRow> rows;
+  const qkv::detail::KeyRule rule = qkv::detail::key_rule(o);
+  for (const BatchGroup& g : batch_groups(s, o)) {
+    for (std::int64_t b = g.b0; b < g.b0 + g.count; ++b) {
+      for (const Chunk& c : chunks_of(s.layout, s.rank, s.ranks, s.nq)) {
+        for (std::int64_t t = 0; t < c.length; ++t) {
+          const qkv::detail::KeyRange keys = rule.range(c.global + t + g.delta, g.valid_keys);
+          rows.push_back({b, c.local + t, qkv::detail::log_keys(o, keys)});
+        }
+      }
+    }
+  }
+  return rows;
 }
 
 namespace {
@@ -385,16 +406,33 @@ Working working(const Setup& s) {
   return w;
 }
 
+// What a step's pieces run: with options.score_scale, this rank's queries
+// times c_hi in the working dtype (their whole-problem key ranges,
+// shard_scaled_rows) and the options without the scale; else q and o.
+struct StepInputs {
+  Tensor scaled;
+  AttentionOptions options;
+  ConstTensorView queries(ConstTensorView q) const { return scaled.defined() ? scaled.view() : q; }
+};
+
+StepInputs step_inputs(const Setup& s0, const AttentionOptions& o, ConstTensorView q, DType real) {
+  if (o.score_scale.empty()) return {{}, o};
+  return {qkv::detail::scaled_queries(q, shard_scaled_rows(s0, o), o, real),
+          qkv::detail::without_score_scale(o)};
+}
+
 }  // namespace
 
 template <class Real>
-void ring_forward_step(const Setup& s0, const AttentionOptions& o,
+void ring_forward_step(const Setup& s0, const AttentionOptions& o0,
                        const std::vector<BatchGroup>& groups, int holder, ConstTensorView q,
                        ConstTensorView k, ConstTensorView v, Real* acc, Real* acc_lse,
                        PieceCounts& counts, const std::function<void()>& between) {
   Working w = working(s0);
   const Setup& s = w.s;
-  const ConstTensorView qw = w(q), kw = w(k), vw = w(v);
+  const StepInputs in = step_inputs(s0, o0, q, s.dtype);
+  const AttentionOptions& o = in.options;
+  const ConstTensorView qw = w(in.queries(q)), kw = w(k), vw = w(v);
   std::vector<std::int64_t> lengths;
   for_each_piece(
       s, o, groups, holder, counts,
@@ -429,14 +467,16 @@ void add_sinks(const Setup& s, std::span<const float> sinks, Real* acc, Real* ac
 }
 
 template <class Real>
-void ring_backward_step(const Setup& s0, const AttentionOptions& o,
+void ring_backward_step(const Setup& s0, const AttentionOptions& o0,
                         const std::vector<BatchGroup>& groups, int holder, ConstTensorView q,
                         ConstTensorView k, ConstTensorView v, ConstTensorView out,
                         ConstTensorView dout, ConstTensorView lse, Real* dq, Real* dk, Real* dv,
                         PieceCounts& counts, const std::function<void()>& between) {
   Working w = working(s0);
   const Setup& s = w.s;
-  const ConstTensorView qw = w(q), kw = w(k), vw = w(v), ow = w(out), gw = w(dout);
+  const StepInputs in = step_inputs(s0, o0, q, s.dtype);
+  const AttentionOptions& o = in.options;
+  const ConstTensorView qw = w(in.queries(q)), kw = w(k), vw = w(v), ow = w(out), gw = w(dout);
   const Shape dq_strides = contiguous_strides(Shape{s.batch, s.nq, s.hq, s.dk});
   const Shape dk_strides = contiguous_strides(Shape{s.batch, s.nk, s.hkv, s.dk});
   const Shape dv_strides = contiguous_strides(Shape{s.batch, s.nk, s.hkv, s.dv});
@@ -457,6 +497,17 @@ void ring_backward_step(const Setup& s0, const AttentionOptions& o,
         add_into<Real>(dv_piece, dv + (g.b0 * s.nk + kc.local) * dv_strides[1], dv_strides);
       },
       between);
+}
+
+template <class Real>
+Tensor finish_score_scale(const Setup& s, const AttentionOptions& o, ConstTensorView q, Real* dq) {
+  const DType real = sizeof(Real) == 8 ? DType::f64 : DType::f32;
+  const qkv::Shape sizes{s.batch, s.nq, s.hq, s.dk}, strides = contiguous_strides(sizes);
+  const TensorView acc(dq, real, std::span<const std::int64_t>(sizes.data(), 4),
+                       std::span<const std::int64_t>(strides.data(), 4));
+  Tensor share(s.stat_dtype, {s.hq});
+  qkv::detail::score_scale_gradients(q, acc, shard_scaled_rows(s, o), o, acc, share.view());
+  return share;
 }
 
 Tensor local_sink_gradients(const Setup& s, ConstTensorView out, ConstTensorView dout,
@@ -533,6 +584,10 @@ template void ring_backward_step<float>(const Setup&, const AttentionOptions&,
                                         ConstTensorView, ConstTensorView, ConstTensorView,
                                         ConstTensorView, ConstTensorView, float*, float*, float*,
                                         PieceCounts&, const std::function<void()>&);
+template Tensor finish_score_scale<float>(const Setup&, const AttentionOptions&, ConstTensorView,
+                                          float*);
+template Tensor finish_score_scale<double>(const Setup&, const AttentionOptions&, ConstTensorView,
+                                           double*);
 template void ring_backward_step<double>(const Setup&, const AttentionOptions&,
                                          const std::vector<BatchGroup>&, int, ConstTensorView,
                                          ConstTensorView, ConstTensorView, ConstTensorView,

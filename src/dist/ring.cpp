@@ -246,6 +246,10 @@ AttentionGradients ring_backward(MPI_Comm comm, const Setup& s, ConstTensorView 
   detail::wait_all(grad_sends[1]);
   st.wait_s += MPI_Wtime() - waited;
   AttentionGradients result;
+  if (!o.score_scale.empty()) {  // dq' to dq, and d_score_scale
+    result.d_score_scale =
+        detail::sum_over_ranks(comm, detail::finish_score_scale(s, o, q, dq.data()));
+  }
   result.dq = Tensor(s.dtype, {s.batch, s.nq, s.hq, s.dk});
   result.dk = Tensor(s.dtype, {s.batch, s.nk, s.hkv, s.dk});
   result.dv = Tensor(s.dtype, {s.batch, s.nk, s.hkv, s.dv});

@@ -75,13 +75,16 @@ Setup validate_collectively(MPI_Comm comm, ConstTensorView q, ConstTensorView k,
   return c.setup;
 }
 
+Tensor sum_over_ranks(MPI_Comm comm, const Tensor& share) {
+  Tensor all(share.dtype(), {share.numel()});
+  MPI_Allreduce(share.view().data(), all.view().data(), static_cast<int>(share.numel()),
+                share.dtype() == DType::f64 ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, comm);
+  return all;
+}
+
 Tensor sink_gradients(MPI_Comm comm, const Setup& s, ConstTensorView out, ConstTensorView dout,
                       ConstTensorView lse, const AttentionOptions& o) {
-  const Tensor mine = local_sink_gradients(s, out, dout, lse, o);
-  Tensor all(s.stat_dtype, {s.hq});
-  MPI_Allreduce(mine.view().data(), all.view().data(), static_cast<int>(s.hq),
-                s.stat_dtype == DType::f64 ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, comm);
-  return all;
+  return sum_over_ranks(comm, local_sink_gradients(s, out, dout, lse, o));
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // What the ring and all-to-all functions share over MPI: the collective
-// validation, the sinks' gradient summed over the ranks, and non-blocking
+// validation, parameter gradients summed over the ranks, and non-blocking
 // transfers of large buffers. The geometry, the pieces and their merges
 // are transport-free (pieces.hpp).
 #pragma once
@@ -19,6 +19,10 @@ namespace qkv::dist::detail {
 // qkv::Error naming the first failing rank and its reasons.
 Setup validate_collectively(MPI_Comm comm, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                             const AttentionOptions& options, const CallSpec& spec);
+
+// The sum over the ranks of each rank's share [n] (f32 or f64), on every
+// rank. Collective.
+Tensor sum_over_ranks(MPI_Comm comm, const Tensor& share);
 
 // d_sinks of the whole problem on every rank: each rank's rows' part
 // (local_sink_gradients), summed over the ranks. Collective.

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "core/parameters.hpp"
 #include "dist/shards.hpp"
 #include "qkv/distributed.hpp"
 
@@ -113,12 +114,16 @@ AttentionGradients ulysses_attention_backward(MPI_Comm comm, ConstTensorView q, 
   result.dq = to_rows(comm, s, local.dq);
   result.dk = to_rows(comm, s, local.dk);
   result.dv = to_rows(comm, s, local.dv);
-  if (!options.sinks.empty()) {  // this rank's heads' gradients, gathered in head order
-    result.d_sinks = Tensor(s.stat_dtype, {s.hq});
-    const int count = static_cast<int>(s.hq / s.ranks);
+  // The parameters qkv::dist takes are per head ([Hq]): this rank's heads'
+  // gradients, gathered in head order.
+  for (const qkv::detail::ParameterRow& row : qkv::detail::parameter_rows(s.problem, options)) {
+    if (!row.used) continue;
+    const Tensor& mine = local.*row.tensor;
+    Tensor& all = result.*row.tensor;
+    all = Tensor(s.stat_dtype, row.sizes);
+    const int count = static_cast<int>(mine.numel());
     const MPI_Datatype type = s.stat_dtype == DType::f64 ? MPI_DOUBLE : MPI_FLOAT;
-    MPI_Allgather(local.d_sinks.view().data(), count, type, result.d_sinks.view().data(), count,
-                  type, comm);
+    MPI_Allgather(mine.view().data(), count, type, all.view().data(), count, type, comm);
   }
   return result;
 }

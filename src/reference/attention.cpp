@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/score_scale.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
 
@@ -124,6 +125,11 @@ void attention(const AttentionProblem& p, ConstTensorView q, ConstTensorView k, 
 void naive_attention(const AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                      ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& o,
                      DType precision) {
+  if (!o.score_scale.empty()) {  // the queries scaled in `precision` (core/score_scale.hpp)
+    attention_in<float>(p, detail::scaled_queries(p, q, o, precision), k, v, outputs,
+                        detail::without_score_scale(o), precision);
+    return;
+  }
   attention_in<float>(p, q, k, v, outputs, o, precision);
 }
 

@@ -123,7 +123,8 @@ struct Config {
 
 std::vector<std::int64_t> g_lengths;  // storage for key_lengths spans
 std::vector<float> g_slopes;
-std::vector<float> g_sinks;  // one logit per query head, resized by the caller
+std::vector<float> g_sinks;   // one logit per query head, resized by the caller
+std::vector<float> g_scales;  // one logit scale per query head, likewise
 
 std::vector<Config> Configs(int ranks) {
   const std::int64_t total = 8 * ranks;
@@ -190,20 +191,55 @@ std::vector<Config> Configs(int ranks) {
          o.key_lengths = g_lengths;
          o.sinks = g_sinks;
        }},
+      {"score_scale times ln n, causal window, sinks", 8, 8,
+       [](AttentionOptions& o) {
+         o.score_scale = g_scales;
+         o.score_scale_log_n = true;
+         o.sinks = g_sinks;
+         o.causal = true;
+         o.window_left = 11;
+       }},
+      {"score_scale times ln n, key lengths, bottom-right, Nq != Nk", 4, 8,
+       [total](AttentionOptions& o) {
+         g_lengths = {total - 5, total / 2};
+         o.key_lengths = g_lengths;
+         o.score_scale = g_scales;
+         o.score_scale_log_n = true;
+         o.causal = true;
+       }},
   };
 }
 
 constexpr std::int64_t kBatch = 2, kHq = 4, kHkv = 2, kD = 16;
 
-// Logits of both signs and sizes, one per query head.
-void SetSinks(std::int64_t hq) {
+// Sink logits and logit scales of both signs and sizes, one per query head.
+void SetHeadParameters(std::int64_t hq) {
   g_sinks.clear();
-  for (std::int64_t h = 0; h < hq; ++h) g_sinks.push_back(1.5f - 0.75f * static_cast<float>(h));
+  g_scales.clear();
+  for (std::int64_t h = 0; h < hq; ++h) {
+    g_sinks.push_back(1.5f - 0.75f * static_cast<float>(h));
+    g_scales.push_back(0.9f - 0.5f * static_cast<float>(h));
+  }
+}
+
+// The per-head parameters' gradients (of the whole problem, on every rank)
+// against the single-process and exact ones.
+void ExpectParameterGradients(const AttentionGradients& g, const AttentionGradients& single,
+                              const AttentionGradients& exact, const AttentionOptions& o,
+                              int ranks) {
+  ASSERT_EQ(g.d_sinks.defined(), !o.sinks.empty());
+  if (!o.sinks.empty())
+    ExpectWithinModel("d_sinks", g.d_sinks, single.d_sinks, exact.d_sinks, ranks);
+  ASSERT_EQ(g.d_score_scale.defined(), !o.score_scale.empty());
+  if (!o.score_scale.empty()) {
+    ExpectWithinModel("d_score_scale", g.d_score_scale, single.d_score_scale, exact.d_score_scale,
+                      ranks);
+  }
 }
 
 void CheckRing(dist::Layout layout, bool backward) {
   const int rank = Rank(), ranks = Ranks();
-  SetSinks(kHq);
+  SetHeadParameters(kHq);
   for (const Config& c : Configs(ranks)) {
     SCOPED_TRACE(c.name);
     AttentionOptions o;
@@ -235,8 +271,7 @@ void CheckRing(dist::Layout layout, bool backward) {
     ExpectWithinModel("dq", g.dq, TakeRows(gs.dq, 1, qrows), TakeRows(ge.dq, 1, qrows), ranks);
     ExpectWithinModel("dk", g.dk, TakeRows(gs.dk, 1, krows), TakeRows(ge.dk, 1, krows), ranks);
     ExpectWithinModel("dv", g.dv, TakeRows(gs.dv, 1, krows), TakeRows(ge.dv, 1, krows), ranks);
-    ASSERT_EQ(g.d_sinks.defined(), !o.sinks.empty());
-    if (!o.sinks.empty()) ExpectWithinModel("d_sinks", g.d_sinks, gs.d_sinks, ge.d_sinks, ranks);
+    ExpectParameterGradients(g, gs, ge, o, ranks);
     // Deterministic: a second run gives the same bits.
     const AttentionGradients again =
         dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, got.out, dout, got.lse, o, ro);
@@ -313,7 +348,7 @@ TEST(Ring, ZigzagBalancesCausalWork) {
 TEST(Ulysses, ForwardAndBackward) {
   const int rank = Rank(), ranks = Ranks();
   const std::int64_t hkv = ranks, hq = 2 * ranks;  // heads divide over ranks, GQA group 2
-  SetSinks(hq);
+  SetHeadParameters(hq);
   for (const Config& c : Configs(ranks)) {
     SCOPED_TRACE(c.name);
     AttentionOptions o;
@@ -345,8 +380,7 @@ TEST(Ulysses, ForwardAndBackward) {
     ExpectWithinModel("dq", g.dq, TakeRows(gs.dq, 1, qrows), TakeRows(ge.dq, 1, qrows), 1);
     ExpectWithinModel("dk", g.dk, TakeRows(gs.dk, 1, krows), TakeRows(ge.dk, 1, krows), 1);
     ExpectWithinModel("dv", g.dv, TakeRows(gs.dv, 1, krows), TakeRows(ge.dv, 1, krows), 1);
-    ASSERT_EQ(g.d_sinks.defined(), !o.sinks.empty());
-    if (!o.sinks.empty()) ExpectWithinModel("d_sinks", g.d_sinks, gs.d_sinks, ge.d_sinks, 1);
+    ExpectParameterGradients(g, gs, ge, o, 1);
   }
 }
 

@@ -687,7 +687,7 @@ struct AttentionCase {
   DType dtype = DType::f32;
   std::int64_t batch = 1, nq = 1, nk = 1, hq = 1, hkv = 1, dq = 1, dk = 1, dv = 1;
   std::vector<std::int64_t> key_lengths, cu_q, cu_k;
-  std::vector<float> slopes, sinks;
+  std::vector<float> slopes, sinks, scales;
   Arg q, k, v, mask, w_q, w_k, add_v, add_bias, table;
   AttentionOptions opt;
   double qk_magnitude = 0.0;  // largest |q|, |k| the values were drawn with
@@ -1014,6 +1014,30 @@ inline void fuzz_sinks(Input& in, AttentionCase& c) {
   c.note("sinks x" + std::to_string(c.sinks.size()));
 }
 
+// A learned logit scale per query head, sometimes in the Scalable-Softmax
+// form (times ln n_i); now and then a NaN, an infinity or a wrong count,
+// which validation must refuse, as it refuses the scale of an additive score.
+inline void fuzz_score_scale(Input& in, AttentionCase& c) {
+  SplitMix gen(in.u64());
+  for (std::int64_t h = 0; h < c.hq; ++h)
+    c.scales.push_back(static_cast<float>(2 * gen.symmetric()));
+  if (in.one_in(8)) {
+    const float bad = in.coin() ? std::numeric_limits<float>::quiet_NaN()
+                                : std::numeric_limits<float>::infinity();
+    c.scales[static_cast<std::size_t>(in.range(0, c.hq - 1))] = bad;
+    c.reject("score_scale NaN or inf");
+  }
+  if (in.one_in(12)) {
+    c.scales.push_back(1.0f);
+    c.reject("score_scale count");
+  }
+  if (c.opt.score == Score::additive) c.reject("score_scale of an additive score");
+  c.opt.score_scale = c.scales;
+  c.opt.score_scale_log_n = in.coin();
+  c.note(std::string("score_scale") + (c.opt.score_scale_log_n ? " log_n" : "") + " x" +
+         std::to_string(c.scales.size()));
+}
+
 inline void fuzz_relative_bias(Input& in, AttentionCase& c) {
   c.opt.relative_bias.bidirectional = in.coin();
   const std::int64_t buckets = in.range(c.opt.relative_bias.bidirectional ? 4 : 2, 12);
@@ -1125,6 +1149,7 @@ inline void fuzz_case(Input& in, AttentionCase& c, bool differentiable) {
   if (in.one_in(4)) fuzz_mask(in, c);
   if (in.one_in(5)) fuzz_alibi(in, c);
   if (in.one_in(5)) fuzz_sinks(in, c);
+  if (in.one_in(6)) fuzz_score_scale(in, c);
   if (in.one_in(6)) fuzz_relative_bias(in, c);
   if (in.one_in(5)) fuzz_softcap(in, c);
   if (in.one_in(6)) fuzz_dropout(in, c);

@@ -1,11 +1,10 @@
 // Fuzzes the KV cache and decoding: KvCache construction (contiguous and
 // paged, extreme configurations), sequences of append, append_to (with and
 // without RoPE) and release, decode_attention and decode_attention_into over
-// their options (scale, softcap, ALiBi, window, backends, matmul_precision, and options decode
-// must refuse), apply_rope and apply_rope_backward, with strided and bad
-// views; keys and values stored in f32, bf16, f16 or quantized (q8_0,
-// q4_0), plain or rotated by the Hadamard transform; streaming caches
-// (sinks and window); latent caches (MLA: values a prefix of the keys).
+// their options (scale, softcap, ALiBi, score_scale, window, backends, matmul_precision, and
+// options decode must refuse), apply_rope and apply_rope_backward, with strided and bad views; keys
+// and values stored in f32, bf16, f16 or quantized (q8_0, q4_0), plain or rotated by the Hadamard
+// transform; streaming caches (sinks and window); latent caches (MLA: values a prefix of the keys).
 //
 // Checks: only qkv::Error escapes; a rejected append or release leaves every
 // length, block table, free page count and stored row as it was; a
@@ -482,7 +481,7 @@ void fuzz_decode(Input& in, KvCache& cache) {
   Arg q = qkv::fuzz::make_input(in, {cfg.batch, n, hq, dk}, dtype, vq);
 
   AttentionOptions opt;
-  std::vector<float> slopes, sinks;
+  std::vector<float> slopes, sinks, scales;
   static constexpr qkv::Backend kBackends[] = {qkv::Backend::automatic, qkv::Backend::fast,
                                                qkv::Backend::reference};
   opt.backend = in.pick(kBackends);
@@ -530,6 +529,16 @@ void fuzz_decode(Input& in, KvCache& cache) {
       must_reject = "sink count";
     }
     opt.sinks = sinks;
+  }
+  if (in.one_in(6)) {
+    qkv::fuzz::SplitMix gen(in.u64());
+    for (std::int64_t h = 0; h < hq; ++h) scales.push_back(static_cast<float>(2 * gen.symmetric()));
+    if (in.one_in(10)) {
+      scales.push_back(1.0f);
+      must_reject = "score_scale count";
+    }
+    opt.score_scale = scales;
+    opt.score_scale_log_n = in.coin();
   }
   if (in.one_in(4)) {
     opt.window_left = in.param(-1, 20);

@@ -121,6 +121,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t h = 0; h < hq; ++h) sinks.push_back(static_cast<float>(in.range(-8, 8)) / 4);
     o.sinks = sinks;
   }
+  std::vector<float> scales;
+  if (in.one_in(5)) {
+    for (std::int64_t h = 0; h < hq; ++h) scales.push_back(static_cast<float>(in.range(-8, 8)) / 4);
+    if (in.one_in(10)) {
+      scales.push_back(1.0f);  // one scale too many
+      bad = true;
+    }
+    o.score_scale = scales;
+    o.score_scale_log_n = in.coin();
+  }
   if (in.one_in(4)) o.softcap = static_cast<double>(in.range(1, 20));
   if (in.one_in(4)) {
     o.dropout_p = static_cast<double>(in.range(1, 9)) / 10;
