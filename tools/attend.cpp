@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <set>
+#include <span>
 #include <sstream>
 #include <string_view>
 #include <tuple>
@@ -149,6 +151,8 @@ Error naming_flags(const Error& e) {
       {"options.mask", "--mask"},
       {"options.alibi_slopes", "--alibi-slopes"},
       {"options.sinks", "--sinks"},
+      {"options.score_scale_log_n", "--score-scale-log-n"},
+      {"options.score_scale", "--score-scale"},
       {"options.softcap", "--softcap"},
       {"options.dropout_p", "--dropout"}};
   std::vector<std::string> reasons;
@@ -226,11 +230,31 @@ std::string load_floats(const std::string& file, const std::string& flag,
   return shape_text(t);
 }
 
+// The learned per-head parameters ([Hq] .npy files): the flag that reads
+// one and the flag that writes its gradient, with where each goes.
+struct Learned {
+  const char* name;                           // in the summary: "sinks"
+  const char* flag;                           // "--sinks"
+  const char* gradient_flag;                  // "--d-sinks"
+  std::string AttendOptions::*file;           // the parameter's .npy
+  std::string AttendOptions::*gradient_file;  // its gradient's .npy
+  std::span<const float> AttentionOptions::*option;
+  TensorView GradientOutputs::*gradient;
+};
+constexpr Learned kLearned[] = {
+    {"sinks", "--sinks", "--d-sinks", &AttendOptions::sinks, &AttendOptions::d_sinks,
+     &AttentionOptions::sinks, &GradientOutputs::d_sinks},
+    {"score_scale", "--score-scale", "--d-score-scale", &AttendOptions::score_scale,
+     &AttendOptions::d_score_scale, &AttentionOptions::score_scale,
+     &GradientOutputs::d_score_scale},
+};
+constexpr std::size_t kLearnedCount = std::size(kLearned);
+
 struct Plan {
   AttentionOptions options;
   std::vector<std::int64_t> key_lengths;
   std::vector<float> slopes;
-  std::vector<float> sinks;
+  std::array<std::vector<float>, kLearnedCount> learned;  // kLearned's values
   Tensor mask;
   std::vector<std::string> described;  // options as text, for the summary
 };
@@ -239,15 +263,15 @@ struct Plan {
 // can be written (so that no output is written unless all can be).
 void check_outputs(const AttendOptions& o) {
   std::set<std::string> seen;
-  const std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.sinks, o.dout};
-  for (const auto& [flag, path] :
-       std::vector<std::pair<std::string, std::string>>{{"-o", o.out},
-                                                        {"--lse", o.lse},
-                                                        {"--probs", o.probs},
-                                                        {"--dq", o.dq},
-                                                        {"--dk", o.dk},
-                                                        {"--dv", o.dv},
-                                                        {"--d-sinks", o.d_sinks}}) {
+  std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.dout};
+  std::vector<std::pair<std::string, std::string>> outputs = {
+      {"-o", o.out},  {"--lse", o.lse}, {"--probs", o.probs},
+      {"--dq", o.dq}, {"--dk", o.dk},   {"--dv", o.dv}};
+  for (const Learned& l : kLearned) {
+    inputs.insert(o.*l.file);
+    outputs.emplace_back(l.gradient_flag, o.*l.gradient_file);
+  }
+  for (const auto& [flag, path] : outputs) {
     if (path.empty()) continue;
     if (!seen.insert(path).second) throw Error(flag + ": '" + path + "' is also another output");
     if (inputs.count(path) != 0) throw Error(flag + ": '" + path + "' is also an input");
@@ -309,10 +333,14 @@ Plan plan_of(const AttendOptions& o, std::int64_t hq) {
                           load_floats(o.alibi_slopes, "--alibi-slopes", p.slopes));
   }
   a.alibi_slopes = p.slopes;
-  if (!o.sinks.empty()) {
-    p.described.push_back("sinks " + load_floats(o.sinks, "--sinks", p.sinks));
-    a.sinks = p.sinks;
+  for (std::size_t i = 0; i < kLearnedCount; ++i) {
+    const Learned& l = kLearned[i];
+    if ((o.*l.file).empty()) continue;
+    p.described.push_back(std::string(l.name) + " " + load_floats(o.*l.file, l.flag, p.learned[i]));
+    a.*l.option = p.learned[i];
   }
+  a.score_scale_log_n = o.score_scale_log_n;
+  if (o.score_scale_log_n) p.described.push_back("score_scale times ln n");
   a.softcap = o.softcap;
   if (o.softcap != 0.0) p.described.push_back("softcap " + number(o.softcap));
   a.dropout_p = o.dropout;
@@ -340,14 +368,20 @@ void check_flags(const AttendOptions& o) {
   if (o.threads < 0)
     throw Error("--threads: expected a count >= 1, got " + std::to_string(o.threads));
   const bool backward = !o.dout.empty();
-  if (!backward && (!o.dq.empty() || !o.dk.empty() || !o.dv.empty() || !o.d_sinks.empty())) {
-    throw Error("--dq/--dk/--dv/--d-sinks: expected --backward DOUT with them");
+  std::string gradient_flags = "--dq, --dk, --dv";
+  bool any = !o.dq.empty() || !o.dk.empty() || !o.dv.empty();
+  for (const Learned& l : kLearned) {
+    gradient_flags += std::string(", ") + l.gradient_flag;
+    if ((o.*l.gradient_file).empty()) continue;
+    any = true;
+    if (!backward) throw Error(std::string(l.gradient_flag) + ": expected --backward DOUT with it");
+    if ((o.*l.file).empty()) {
+      throw Error(std::string(l.gradient_flag) + ": expected " + l.flag + " FILE with it");
+    }
   }
-  if (!o.d_sinks.empty() && o.sinks.empty()) {
-    throw Error("--d-sinks: expected --sinks FILE with it");
-  }
-  if (backward && o.dq.empty() && o.dk.empty() && o.dv.empty() && o.d_sinks.empty()) {
-    throw Error("--backward: expected at least one of --dq, --dk, --dv, --d-sinks");
+  if (!backward && any) throw Error("--dq/--dk/--dv: expected --backward DOUT with them");
+  if (backward && !any) {
+    throw Error("--backward: expected at least one of " + gradient_flags);
   }
 }
 
@@ -386,20 +420,24 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     const auto start = std::chrono::steady_clock::now();
     attention_into(qv, kv, vv, {as_bnhd(result.view(), o.layout), lse.view(), probs.view()},
                    plan.options);
-    Tensor dout, dq, dk, dvt, d_sinks;
+    Tensor dout, dq, dk, dvt;
+    std::array<Tensor, kLearnedCount> learned;  // the parameters' gradients
     if (!o.dout.empty()) {
       dout = load_npy(o.dout);
       if (dout.dtype() != q.dtype()) dout = to_dtype(dout, q.dtype());
       dq = allocate(q.dtype(), b, nq, hq, qv.size(3), o.layout);
       dk = allocate(q.dtype(), b, nk, kv.size(2), kv.size(3), o.layout);
       dvt = allocate(q.dtype(), b, nk, vv.size(2), dv, o.layout);
-      if (!plan.sinks.empty()) d_sinks = Tensor(stat, {hq});
+      GradientOutputs grads{.dq = as_bnhd(dq.view(), o.layout),
+                            .dk = as_bnhd(dk.view(), o.layout),
+                            .dv = as_bnhd(dvt.view(), o.layout)};
+      for (std::size_t i = 0; i < kLearnedCount; ++i) {
+        if (plan.learned[i].empty()) continue;
+        learned[i] = Tensor(stat, {hq});
+        grads.*kLearned[i].gradient = learned[i].view();
+      }
       attention_backward_into(qv, kv, vv, as_bnhd(result.view(), o.layout),
-                              as_bnhd(dout, o.layout, "dout (" + o.dout + ")"), lse,
-                              {.dq = as_bnhd(dq.view(), o.layout),
-                               .dk = as_bnhd(dk.view(), o.layout),
-                               .dv = as_bnhd(dvt.view(), o.layout),
-                               .d_sinks = d_sinks.view()},
+                              as_bnhd(dout, o.layout, "dout (" + o.dout + ")"), lse, grads,
                               plan.options);
     }
     const double ms =
@@ -413,7 +451,11 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dq.empty()) written.emplace_back(o.dq, &dq);
     if (!o.dk.empty()) written.emplace_back(o.dk, &dk);
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
-    if (!o.d_sinks.empty()) written.emplace_back(o.d_sinks, &d_sinks);
+    for (std::size_t i = 0; i < kLearnedCount; ++i) {
+      if (!(o.*kLearned[i].gradient_file).empty()) {
+        written.emplace_back(o.*kLearned[i].gradient_file, &learned[i]);
+      }
+    }
     for (const auto& [path, t] : written) save_npy(path, *t);
 
     // Inputs with NaN or infinities are computed as semantics.md defines, and noted.

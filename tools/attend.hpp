@@ -24,6 +24,8 @@ struct AttendOptions {
   bool alibi = false;                  // ALiBi with the paper's slopes
   std::string alibi_slopes;            // [Hq] or [B, Hq] .npy
   std::string sinks;                   // [Hq] .npy: learned sink logits (gpt-oss)
+  std::string score_scale;             // [Hq] .npy: learned logit scales
+  bool score_scale_log_n = false;      // with score_scale: times ln of each row's keys
   double softcap = 0.0;                // c > 0: c tanh(s / c)
   double dropout = 0.0;                // dropout probability, < 1
   std::uint64_t seed = 0;              // dropout seed
@@ -35,6 +37,7 @@ struct AttendOptions {
   std::string dout;                    // --backward: dLoss/dout, like out
   std::string dq, dk, dv;              // --backward: gradient files (each optional)
   std::string d_sinks;                 // --backward with --sinks: dLoss/dsinks [Hq]
+  std::string d_score_scale;           // --backward with --score-scale: dLoss/dscore_scale [Hq]
   bool json = false;                   // a JSON summary on stdout instead of the line on stderr
 };
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -192,29 +193,46 @@ TEST_F(Attend, PyTorchLayoutAndBackward) {
   EXPECT_TRUE(same_bits(back, fwd.out));
 }
 
-// Learned sinks from a file, forward and backward (with their gradient),
-// bit for bit the library's.
-TEST_F(Attend, SinksAndTheirGradient) {
-  const std::vector<float> sinks = {0.5f, -1.25f, 2.0f, 0.0f};
-  save_npy(path("sinks.npy"), ConstTensorView(sinks.data(), DType::f32, {4}));
+// The learned per-head parameters from files, forward and backward with
+// their gradients, bit for bit the library's: sinks, and logit scales in
+// Scalable-Softmax's ln n form.
+TEST_F(Attend, LearnedParametersAndTheirGradients) {
+  const std::vector<float> values = {0.5f, -1.25f, 2.0f, 0.25f};
+  save_npy(path("values.npy"), ConstTensorView(values.data(), DType::f32, {4}));
   const Tensor dout = random_tensor({2, 6, 4, 8}, 7);
   save_npy(path("dout.npy"), dout);
-  AttentionOptions o;
-  o.causal = true;
-  o.sinks = sinks;
-  o.return_lse = true;
-  const AttentionResult fwd = attention(q_, k_, v_, o);
-  const AttentionGradients g = attention_backward(q_, k_, v_, fwd.out, dout, fwd.lse, o);
-
-  ASSERT_EQ(run("-o out.npy --causal --sinks sinks.npy --lse lse.npy --backward dout.npy "
-                "--dq dq.npy --d-sinks ds.npy"),
-            0)
-      << err_;
-  EXPECT_NE(err_.find("sinks [4]"), std::string::npos) << err_;
-  EXPECT_TRUE(same_bits(load_npy(path("out.npy")), fwd.out));
-  EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), fwd.lse));
-  EXPECT_TRUE(same_bits(load_npy(path("dq.npy")), g.dq));
-  EXPECT_TRUE(same_bits(load_npy(path("ds.npy")), g.d_sinks));
+  struct Case {
+    std::string flags, described;
+    std::function<void(AttentionOptions&)> set;
+    Tensor AttentionGradients::*gradient;
+  };
+  const Case cases[] = {
+      {"--sinks values.npy --d-sinks dp.npy", "sinks [4]",
+       [&](AttentionOptions& o) { o.sinks = values; }, &AttentionGradients::d_sinks},
+      {"--score-scale values.npy --score-scale-log-n --d-score-scale dp.npy", "score_scale [4]",
+       [&](AttentionOptions& o) {
+         o.score_scale = values;
+         o.score_scale_log_n = true;
+       },
+       &AttentionGradients::d_score_scale},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags);
+    AttentionOptions o;
+    o.causal = true;
+    o.return_lse = true;
+    c.set(o);
+    const AttentionResult fwd = attention(q_, k_, v_, o);
+    const AttentionGradients g = attention_backward(q_, k_, v_, fwd.out, dout, fwd.lse, o);
+    ASSERT_EQ(run("-o out.npy --causal --lse lse.npy --backward dout.npy --dq dq.npy " + c.flags),
+              0)
+        << err_;
+    EXPECT_NE(err_.find(c.described), std::string::npos) << err_;
+    EXPECT_TRUE(same_bits(load_npy(path("out.npy")), fwd.out));
+    EXPECT_TRUE(same_bits(load_npy(path("lse.npy")), fwd.lse));
+    EXPECT_TRUE(same_bits(load_npy(path("dq.npy")), g.dq));
+    EXPECT_TRUE(same_bits(load_npy(path("dp.npy")), g.*c.gradient));
+  }
 }
 
 // NaN and infinities in the inputs are computed as docs/semantics.md
@@ -287,6 +305,11 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
       {"-o out.npy --dq dq.npy", "expected --backward DOUT with them"},
       {"-o out.npy --backward k.npy --d-sinks dq.npy", "--d-sinks: expected --sinks FILE"},
       {"-o out.npy --sinks two.npy", "--sinks: expected Hq = 4 logits, got 2"},
+      {"-o out.npy --d-score-scale dss.npy", "--d-score-scale: expected --backward DOUT"},
+      {"-o out.npy --backward k.npy --d-score-scale dq.npy",
+       "--d-score-scale: expected --score-scale FILE"},
+      {"-o out.npy --score-scale two.npy", "--score-scale: expected Hq = 4 scales, got 2"},
+      {"-o out.npy --score-scale-log-n", "--score-scale-log-n: scales score_scale, which is empty"},
       {"-o out.npy --lse out.npy", "is also another output"},
       {"-o q.npy", "is also an input"},
       {"-o nowhere/out.npy", "cannot write into folder 'nowhere/'"},

@@ -148,6 +148,12 @@ int main(int argc, char** argv) {
   attend->add_option("--sinks", attend_options.sinks,
                      "Learned sink logits [Hq] (.npy): each joins\n"
                      "its head's softmax denominators");
+  attend->add_option("--score-scale", attend_options.score_scale,
+                     "Learned logit scales [Hq] (.npy): head h's\n"
+                     "dot-product scores times score_scale[h]");
+  attend->add_flag("--score-scale-log-n", attend_options.score_scale_log_n,
+                   "With --score-scale: also times ln of each\n"
+                   "row's keys (Scalable-Softmax)");
   attend->add_option("--softcap", attend_options.softcap, "c > 0: scores become c tanh(s / c)");
   attend->add_option("--dropout", attend_options.dropout, "Dropout probability (< 1)");
   attend->add_option("--seed", attend_options.seed, "Dropout seed");
@@ -168,6 +174,9 @@ int main(int argc, char** argv) {
   attend->add_option("--dv", attend_options.dv, "Write dLoss/dv (with --backward)");
   attend->add_option("--d-sinks", attend_options.d_sinks,
                      "Write dLoss/dsinks [Hq] (with --backward and --sinks)");
+  attend->add_option("--d-score-scale", attend_options.d_score_scale,
+                     "Write dLoss/dscore_scale [Hq] (with --backward\n"
+                     "and --score-scale)");
   attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
 
   CLI::App* info =
