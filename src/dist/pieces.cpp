@@ -386,11 +386,16 @@ void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Ten
   }
 }
 
-// The pieces compute on f32 copies of 16-bit inputs (exact: widening rounds
-// nothing), so that their outputs and gradients reach the f32 merges and
-// sums unrounded, and the result is rounded to 16 bits once, as one call's.
+// What a step's pieces run on. They compute on f32 copies of 16-bit inputs
+// (exact: widening rounds nothing), so that their outputs and gradients
+// reach the f32 merges and sums unrounded, and the result is rounded to 16
+// bits once, as one call's. With options.score_scale, the queries are this
+// rank's times c_hi in that dtype (their whole-problem key ranges,
+// shard_scaled_rows) and the options go without the scale.
 struct Working {
   Setup s;
+  AttentionOptions options;  // the pieces' (before piece_options)
+  ConstTensorView queries;
   std::vector<Tensor> copies;
   ConstTensorView operator()(ConstTensorView t) {
     if (t.dtype() == s.dtype) return t;
@@ -399,26 +404,18 @@ struct Working {
   }
 };
 
-Working working(const Setup& s) {
-  Working w{s, {}};
-  w.copies.reserve(5);  // the views stay where they are
-  if (s.dtype == DType::bf16 || s.dtype == DType::f16) w.s.dtype = DType::f32;
+Working working(const Setup& s0, const AttentionOptions& o, ConstTensorView q) {
+  Working w{s0, o, {}, {}};
+  w.copies.reserve(6);  // the views stay where they are
+  if (s0.dtype == DType::bf16 || s0.dtype == DType::f16) w.s.dtype = DType::f32;
+  if (o.score_scale.empty()) {
+    w.queries = w(q);
+  } else {
+    w.copies.push_back(qkv::detail::scaled_queries(q, shard_scaled_rows(s0, o), o, w.s.dtype));
+    w.queries = w.copies.back().view();
+    w.options = qkv::detail::without_score_scale(o);
+  }
   return w;
-}
-
-// What a step's pieces run: with options.score_scale, this rank's queries
-// times c_hi in the working dtype (their whole-problem key ranges,
-// shard_scaled_rows) and the options without the scale; else q and o.
-struct StepInputs {
-  Tensor scaled;
-  AttentionOptions options;
-  ConstTensorView queries(ConstTensorView q) const { return scaled.defined() ? scaled.view() : q; }
-};
-
-StepInputs step_inputs(const Setup& s0, const AttentionOptions& o, ConstTensorView q, DType real) {
-  if (o.score_scale.empty()) return {{}, o};
-  return {qkv::detail::scaled_queries(q, shard_scaled_rows(s0, o), o, real),
-          qkv::detail::without_score_scale(o)};
 }
 
 }  // namespace
@@ -428,11 +425,10 @@ void ring_forward_step(const Setup& s0, const AttentionOptions& o0,
                        const std::vector<BatchGroup>& groups, int holder, ConstTensorView q,
                        ConstTensorView k, ConstTensorView v, Real* acc, Real* acc_lse,
                        PieceCounts& counts, const std::function<void()>& between) {
-  Working w = working(s0);
+  Working w = working(s0, o0, q);
   const Setup& s = w.s;
-  const StepInputs in = step_inputs(s0, o0, q, s.dtype);
-  const AttentionOptions& o = in.options;
-  const ConstTensorView qw = w(in.queries(q)), kw = w(k), vw = w(v);
+  const AttentionOptions& o = w.options;
+  const ConstTensorView qw = w.queries, kw = w(k), vw = w(v);
   std::vector<std::int64_t> lengths;
   for_each_piece(
       s, o, groups, holder, counts,
@@ -472,11 +468,10 @@ void ring_backward_step(const Setup& s0, const AttentionOptions& o0,
                         ConstTensorView k, ConstTensorView v, ConstTensorView out,
                         ConstTensorView dout, ConstTensorView lse, Real* dq, Real* dk, Real* dv,
                         PieceCounts& counts, const std::function<void()>& between) {
-  Working w = working(s0);
+  Working w = working(s0, o0, q);
   const Setup& s = w.s;
-  const StepInputs in = step_inputs(s0, o0, q, s.dtype);
-  const AttentionOptions& o = in.options;
-  const ConstTensorView qw = w(in.queries(q)), kw = w(k), vw = w(v), ow = w(out), gw = w(dout);
+  const AttentionOptions& o = w.options;
+  const ConstTensorView qw = w.queries, kw = w(k), vw = w(v), ow = w(out), gw = w(dout);
   const Shape dq_strides = contiguous_strides(Shape{s.batch, s.nq, s.hq, s.dk});
   const Shape dk_strides = contiguous_strides(Shape{s.batch, s.nk, s.hkv, s.dk});
   const Shape dv_strides = contiguous_strides(Shape{s.batch, s.nk, s.hkv, s.dv});
