@@ -84,6 +84,18 @@ bool run_fast_additive(const detail::AttentionProblem& p, ConstTensorView q, Con
   return cpu::additive_backward(p, params, q, k, v, out, dout, probs, grads);
 }
 
+// out and lse of the forward with options o, into forward_out and
+// forward_lse, for a backward whose caller gave neither.
+void run_forward(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k,
+                 ConstTensorView v, const AttentionOptions& o, ConstTensorView& out,
+                 ConstTensorView& lse, Tensor& forward_out, Tensor& forward_lse) {
+  forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
+  forward_lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
+  attention_into(q, k, v, {forward_out, forward_lse, {}}, o);
+  out = forward_out;
+  lse = forward_lse;
+}
+
 // Runs a validated call on the backend the options choose: the fused
 // backward for dot-product scores, cpu::additive_backward for the additive
 // score without dropout, softcap or relative bias, else the reference. A
@@ -106,11 +118,7 @@ void run_backend(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
       }
       tried_fast = true;
     }
-    forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
-    forward_lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
-    attention_into(q, k, v, {forward_out, forward_lse, {}}, o);
-    out = forward_out;
-    lse = forward_lse;
+    run_forward(p, q, k, v, o, out, lse, forward_out, forward_lse);
   }
   if (fast && !tried_fast &&
       (additive ? run_fast_additive(p, q, k, v, out, dout, lse, grads, o)
@@ -127,21 +135,17 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          const GradientOutputs& grads, const AttentionOptions& o) {
   Tensor forward_out, forward_lse;
   if (!o.score_scale.empty()) {  // the gradients of the scaled queries (score_scale.hpp)
-    if (!out.defined()) {        // the forward's, with the scale (the scaled queries are wider)
-      forward_out = Tensor(p.dtype, {p.batch, p.nq, p.hq, p.dv});
-      forward_lse = Tensor(p.stat_dtype, {p.batch, p.hq, p.nq});
-      attention_into(q, k, v, {forward_out, forward_lse, {}}, o);
-      out = forward_out;
-      lse = forward_lse;
-    }
+    // The forward's out and lse with the scale (the scaled queries are wider).
+    if (!out.defined()) run_forward(p, q, k, v, o, out, lse, forward_out, forward_lse);
     const DType wide = detail::use_fast_kernels(o, p.dtype) ? DType::f32 : DType::f64;
-    const Tensor scaled = detail::scaled_queries(p, q, o, wide);
+    const std::vector<detail::ScaledRow> rows = detail::scaled_rows(p, o);
     Tensor d_scaled(wide, {p.batch, p.nq, p.hq, p.dq});
     GradientOutputs inner = grads;
     inner.dq = d_scaled;
     inner.d_score_scale = {};
-    run(p, scaled, k, v, out, dout, lse, inner, detail::without_score_scale(o));
-    detail::score_scale_gradients(p, q, d_scaled, o, grads.dq, grads.d_score_scale);
+    run(p, detail::scaled_queries(q, rows, o, wide), k, v, out, dout, lse, inner,
+        detail::without_score_scale(o));
+    detail::score_scale_gradients(q, d_scaled, rows, o, grads.dq, grads.d_score_scale);
     return;
   }
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);

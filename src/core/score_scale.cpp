@@ -128,9 +128,4 @@ void score_scale_gradients(ConstTensorView q, ConstTensorView dq_scaled,
   }
 }
 
-void score_scale_gradients(const AttentionProblem& p, ConstTensorView q, ConstTensorView dq_scaled,
-                           const AttentionOptions& o, TensorView dq, TensorView d_score_scale) {
-  score_scale_gradients(q, dq_scaled, scaled_rows(p, o), o, dq, d_score_scale);
-}
-
 }  // namespace qkv::detail

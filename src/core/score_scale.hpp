@@ -58,11 +58,9 @@ AttentionOptions without_score_scale(const AttentionOptions& o);
 
 // dq = c dq' on the given rows, and d_score_scale [Hq] (undefined: not
 // asked) the rows' sum, from dq', the gradient with respect to the scaled
-// queries, in double. The overload with a problem takes all of its rows.
+// queries, in double. dq may be dq_scaled itself.
 void score_scale_gradients(ConstTensorView q, ConstTensorView dq_scaled,
                            std::span<const ScaledRow> rows, const AttentionOptions& o,
                            TensorView dq, TensorView d_score_scale);
-void score_scale_gradients(const AttentionProblem& p, ConstTensorView q, ConstTensorView dq_scaled,
-                           const AttentionOptions& o, TensorView dq, TensorView d_score_scale);
 
 }  // namespace qkv::detail

@@ -302,13 +302,14 @@ void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView
                               const GradientOutputs& grads, const AttentionOptions& o,
                               DType precision) {
   if (!o.score_scale.empty()) {  // the queries scaled in `precision` (core/score_scale.hpp)
+    const std::vector<detail::ScaledRow> rows = detail::scaled_rows(p, o);
     Tensor d_scaled(DType::f32, {p.batch, p.nq, p.hq, p.dq});
     GradientOutputs inner = grads;
     inner.dq = d_scaled;
     inner.d_score_scale = {};
-    backward_in<float>(p, detail::scaled_queries(p, q, o, precision), k, v, out, dout, lse, inner,
-                       detail::without_score_scale(o), precision, false);
-    detail::score_scale_gradients(p, q, d_scaled, o, grads.dq, grads.d_score_scale);
+    backward_in<float>(p, detail::scaled_queries(q, rows, o, precision), k, v, out, dout, lse,
+                       inner, detail::without_score_scale(o), precision, false);
+    detail::score_scale_gradients(q, d_scaled, rows, o, grads.dq, grads.d_score_scale);
     return;
   }
   backward_in<float>(p, q, k, v, out, dout, lse, grads, o, precision, false);
