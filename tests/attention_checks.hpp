@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "api/validate.hpp"
+#include "core/mask_gradient.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "error_bound.hpp"
 #include "qkv/attention.hpp"
@@ -319,16 +320,30 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     }
   }
 
+  // The largest sum of P_bhij over the (b, h, i, j) that broadcast onto one
+  // element of the mask, and how many do.
+  double mask_mass = 0.0, mask_terms = 0.0;
+  if (fast.d_mask.defined()) {
+    Tensor mass(DType::f64, opt.mask.size_span());
+    qkv::detail::sum_into_mask(probs, mass);
+    mask_mass = max_abs(mass);
+    mask_terms = static_cast<double>(probs.numel()) / static_cast<double>(mass.numel());
+  }
+
+  EXPECT_EQ(fast.d_mask.defined(), opt.mask_requires_grad) << label;
   EXPECT_EQ(fast.d_sinks.defined(), !opt.sinks.empty()) << label;
   EXPECT_EQ(ref.d_sinks.defined(), !opt.sinks.empty()) << label;
   EXPECT_EQ(fast.d_score_scale.defined(), !opt.score_scale.empty()) << label;
-  for (const Tensor* g : {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias, &fast.d_sinks}) {
+  for (const Tensor* g :
+       {&fast.dq, &fast.dk, &fast.dv, &fast.d_relative_bias, &fast.d_sinks, &fast.d_mask}) {
     EXPECT_FALSE(g->defined() && has_non_finite(*g)) << label << ": a gradient has NaN or inf";
   }
   if (opt.score != qkv::Score::additive) {
     BackwardMagnitudes m;
     m.key_mass = key_mass;
     m.bucket_mass = bucket_mass;
+    m.mask_mass = mask_mass;
+    m.mask_terms = mask_terms;
     m.max_out = max_abs(fwd.out);
     m.out_error = max_abs_diff(fwd.out, ref_fwd.out);
     int mismatches = 0;
@@ -339,6 +354,7 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     m.max_dk = max_abs(ref.dk);
     m.max_dv = max_abs(ref.dv);
     if (fast.d_relative_bias.defined()) m.max_d_bias = max_abs(ref.d_relative_bias);
+    if (fast.d_mask.defined()) m.max_d_mask = max_abs(ref.d_mask);
     const BackwardErrorBound bound = backward_error_bound(q, k, v, dout, opt, m);
     const auto within = [&](const char* name, const Tensor& f, const Tensor& r, double b) {
       const double err = max_abs_diff(f, r);
@@ -351,6 +367,7 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     if (fast.d_relative_bias.defined()) {
       within("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, bound.d_relative_bias);
     }
+    if (fast.d_mask.defined()) within("d_mask", fast.d_mask, ref.d_mask, bound.d_mask);
     if (fast.d_score_scale.defined()) {
       // d_score_scale[h] = sum_(b, i) <dq_i, q_i> / score_scale[h]
       // (core/score_scale.hpp, from dq' before dq's rounding): a linear
@@ -394,10 +411,14 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
   if (fast.d_relative_bias.defined()) {
     naive.d_relative_bias = Tensor(DType::f32, fast.d_relative_bias.view().size_span());
   }
-  qkv::reference::naive_attention_backward(
-      problem, qn, kn, vn, naive_out, dn, naive_lse,
-      {naive.dq, naive.dk, naive.dv, naive.d_relative_bias.view(), {}, {}, {}, {}}, ref_opt,
-      precision);
+  if (fast.d_mask.defined()) naive.d_mask = Tensor(DType::f32, fast.d_mask.view().size_span());
+  qkv::reference::naive_attention_backward(problem, qn, kn, vn, naive_out, dn, naive_lse,
+                                           {.dq = naive.dq,
+                                            .dk = naive.dk,
+                                            .dv = naive.dv,
+                                            .d_relative_bias = naive.d_relative_bias.view(),
+                                            .d_mask = naive.d_mask.view()},
+                                           ref_opt, precision);
 
   // The cancellation floor (see the top of this file): two f32 dot products
   // of length Dv, and D_i formed from `out` as the forward rounded it to the
@@ -425,6 +446,10 @@ inline qkv::AttentionGradients expect_backward_matches(ConstTensorView q, ConstT
     // cancellation floor is ds_error times the largest bucket mass sum P_ij.
     check("d_relative_bias", fast.d_relative_bias, ref.d_relative_bias, naive.d_relative_bias,
           DType::f32, ds_error * bucket_mass);
+  }
+  if (fast.d_mask.defined()) {
+    // d_mask sums dS over the (b, h, i, j) of a mask element: as the bias.
+    check("d_mask", fast.d_mask, ref.d_mask, naive.d_mask, DType::f32, ds_error * mask_mass);
   }
   if (fast.d_sinks.defined()) {
     // d_sinks[h] = -sum_i e^(S_h - lse_i) D_i over the head's rows, each

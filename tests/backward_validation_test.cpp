@@ -123,6 +123,36 @@ const std::vector<Row>& rows() {
          c.custom = {c.dq, c.dk, c.dv, c.d_table};
        },
        {"d_relative_bias: given, but the options have no relative_bias.table"}},
+      {"mask gradient without a mask",
+       [](Call& c) {
+         c.options.mask_requires_grad = true;
+         c.into = false;
+       },
+       {"options.mask_requires_grad: expected a float options.mask, got none"}},
+      {"mask gradient of a bool mask",
+       [](Call& c) {
+         static Tensor mask{DType::boolean, {5, 7}};
+         c.options.mask = mask;
+         c.options.mask_requires_grad = true;
+         c.into = false;
+       },
+       {"options.mask_requires_grad: expected a float options.mask, got a bool mask"}},
+      {"mask gradient missing",
+       [](Call& c) {
+         static Tensor mask{DType::f32, {5, 7}};
+         c.options.mask = mask;
+         c.options.mask_requires_grad = true;
+       },
+       {"d_mask: required because the options use mask_requires_grad"}},
+      {"mask gradient of the wrong shape",
+       [](Call& c) {
+         static Tensor mask{DType::f32, {5, 7}}, d_mask{DType::f32, {1, 5, 7}};
+         c.options.mask = mask;
+         c.options.mask_requires_grad = true;
+         c.use_custom = true;
+         c.custom = {.dq = c.dq, .dk = c.dk, .dv = c.dv, .d_mask = d_mask};
+       },
+       {"d_mask: expected rank 2, got rank 3 with sizes [1, 5, 7]"}},
       {"fast additive with softcap",
        [](Call& c) {
          static Tensor w{DType::f32, {3, 8}}, va{DType::f32, {3}};

@@ -97,6 +97,10 @@ void turn_on(Option option, Case& c) {
     case Option::mask:
       o.mask = c.mask;
       return;
+    case Option::mask_requires_grad:
+      o.mask = c.mask;
+      o.mask_requires_grad = true;
+      return;
     case Option::alibi_slopes:
       o.alibi_slopes = c.slopes;
       return;

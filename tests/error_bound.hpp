@@ -272,14 +272,17 @@ inline ForwardErrorBound forward_error_bound(ConstTensorView q, ConstTensorView 
 struct BackwardMagnitudes {
   double key_mass = 0.0;     // max_j sum_i P_ij over a KV head's query heads
   double bucket_mass = 0.0;  // largest sum of P_ij over a relative-bias bucket
+  double mask_mass = 0.0;    // largest sum of P_bhij over the (b, h, i, j) of a mask element
+  double mask_terms = 0.0;   // how many (b, h, i, j) broadcast onto one mask element
   double max_out = 0.0;      // max |out| the backward is given
   double out_error = 0.0;    // max |out given - exact out|
   double lse_error = 0.0;    // max |lse given - exact lse| (finite entries)
-  double max_dq = 0.0, max_dk = 0.0, max_dv = 0.0, max_d_bias = 0.0;  // exact gradients
+  double max_dq = 0.0, max_dk = 0.0, max_dv = 0.0, max_d_bias = 0.0,
+         max_d_mask = 0.0;  // exact gradients
 };
 
 struct BackwardErrorBound {
-  double dq = 0.0, dk = 0.0, dv = 0.0, d_relative_bias = 0.0;
+  double dq = 0.0, dk = 0.0, dv = 0.0, d_relative_bias = 0.0, d_mask = 0.0;
 };
 
 // The fused backward (dot-product scores; the additive score's backward is
@@ -329,7 +332,8 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
   double e_s = eta * g_max + (1 + eta) * (g_error + u * g_max) +
                ds_round * (1 + eta) * (g_max + g_error + u * g_max);
   double phi_s = phi * (g_max + g_error + u * g_max) * (1 + ds_round) + tiny + flush;
-  const double e_bias = e_s, phi_bias = phi_s;  // the bias gradient takes dS before the cap
+  // The bias and mask gradients take dS before the cap.
+  const double e_bias = e_s, phi_bias = phi_s;
   if (o.softcap > 0.0) {
     // (1 - t^2) with t = Tanh(raw fl(1/c)) off by e_t; |1 - t^2| <= 1.
     const double e_t = (s.before_cap + 2 * u * s.raw + tiny) / o.softcap + 8 * u + tiny;
@@ -373,11 +377,16 @@ inline BackwardErrorBound backward_error_bound(ConstTensorView q, ConstTensorVie
   b.dk = finish(
       gradient(q_max, o.score_scale.empty() ? engine.inputs : c.rounding, rows, m.key_mass, sum_q),
       m.max_dk, k.dtype());
-  const double terms = static_cast<double>(q.size(0)) * nq * nk;
-  const double sum_b = gamma_n(terms + 2);
-  b.d_relative_bias = finish(m.bucket_mass * (e_bias + sum_b * (1 + eta) * g_max) +
-                                 terms * (phi_bias * (1 + sum_b) + phi * g_max * sum_b + 2 * tiny),
-                             m.max_d_bias, DType::f32);
+  // Sums of dS over `terms` pairs whose weights add up to `mass`, in
+  // double (bounded as f32 sums), rounded to f32.
+  const auto summed = [&](double mass, double terms, double exact_max) {
+    const double sum_b = gamma_n(terms + 2);
+    return finish(mass * (e_bias + sum_b * (1 + eta) * g_max) +
+                      terms * (phi_bias * (1 + sum_b) + phi * g_max * sum_b + 2 * tiny),
+                  exact_max, DType::f32);
+  };
+  b.d_relative_bias = summed(m.bucket_mass, static_cast<double>(q.size(0)) * nq * nk, m.max_d_bias);
+  b.d_mask = summed(m.mask_mass, m.mask_terms, m.max_d_mask);
   return b;
 }
 

@@ -160,6 +160,55 @@ TEST_P(FlashBackwardSweep, PackedSequences) {
   expect_backward_matches(x.q, x.k, x.v, o, "varlen causal key lengths dropout");
 }
 
+// d_mask (options.mask_requires_grad) for masks broadcast along each
+// dimension, with the options that change dS, and packed sequences; the same
+// bits on one thread as on two.
+TEST_P(FlashBackwardSweep, FloatMaskGradient) {
+  const DType dtype = GetParam();
+  const Inputs x = make_inputs(2, 37, 70, 4, 2, 24, 24, dtype, 71);
+  const std::vector<std::vector<std::int64_t>> shapes = {{2, 4, 37, 70}, {37, 70}, {1, 4, 1, 70},
+                                                         {2, 1, 37, 1},  {70},     {1}};
+  const float sinks[] = {0.5f, -1.0f, 0.0f, 2.0f};
+  const float scales[] = {1.5f, 0.5f, -1.0f, 2.0f};
+  for (std::size_t s = 0; s < shapes.size(); ++s) {
+    const Tensor mask =
+        random_tensor(DType::f32, shapes[s], 80 + static_cast<std::uint32_t>(s), -2.0, 2.0);
+    AttentionOptions o;
+    o.mask = mask;
+    o.mask_requires_grad = true;
+    std::string shape = "mask";
+    for (const std::int64_t n : shapes[s]) shape.append(" ").append(std::to_string(n));
+    expect_backward_matches(x.q, x.k, x.v, o, shape);
+    if (s > 1) continue;
+    o.causal = true;
+    o.softcap = 3.0;
+    expect_backward_matches(x.q, x.k, x.v, o, shape + " causal softcap");
+    o.dropout_p = 0.25;
+    o.dropout_seed = 9;
+    o.sinks = sinks;
+    o.score_scale = scales;
+    const auto two = expect_backward_matches(x.q, x.k, x.v, o, shape + " dropout sinks scales");
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const auto one = expect_backward_matches(x.q, x.k, x.v, o, shape + " one thread");
+    omp_set_num_threads(threads);
+    EXPECT_EQ(max_abs_diff(one.d_mask, two.d_mask), 0.0) << shape;
+  }
+  const std::int64_t cu_q[] = {0, 5, 5, 37};
+  const std::int64_t cu_k[] = {0, 30, 41, 70};
+  const Inputs packed = make_inputs(1, 37, 70, 4, 2, 24, 24, dtype, 72);
+  const Tensor mask = random_tensor(DType::f32, {1, 4, 37, 70}, 90, -2.0, 2.0);
+  AttentionOptions o;
+  o.cu_seqlens_q = cu_q;
+  o.cu_seqlens_k = cu_k;
+  o.mask = mask;
+  o.mask_requires_grad = true;
+  o.causal = true;
+  const auto g = expect_backward_matches(packed.q, packed.k, packed.v, o, "packed");
+  // Pairs of different sequences are never admitted: zero gradient.
+  EXPECT_EQ(max_abs(g.d_mask.view().slice(2, 0, 5).slice(3, 30, 40)), 0.0);
+}
+
 TEST_P(FlashBackwardSweep, FullyMaskedRowsAndKeys) {
   const DType dtype = GetParam();
   const Inputs x = make_inputs(1, 40, 20, 2, 1, 16, 16, dtype, 31);

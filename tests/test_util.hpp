@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "core/elements.hpp"
@@ -13,8 +14,8 @@
 namespace qkv::test {
 
 // A contiguous tensor of `dtype` with values uniform in [lo, hi), rounded once.
-inline Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> sizes,
-                            std::uint32_t seed, double lo = -1.0, double hi = 1.0) {
+inline Tensor random_tensor(DType dtype, std::span<const std::int64_t> sizes, std::uint32_t seed,
+                            double lo = -1.0, double hi = 1.0) {
   Tensor t(dtype, sizes);
   std::mt19937 gen(seed);
   std::uniform_real_distribution<double> dist(lo, hi);
@@ -23,6 +24,11 @@ inline Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> siz
     detail::store(v.data(), v.dtype(), detail::offset(idx, v.strides(), v.rank()), dist(gen));
   });
   return t;
+}
+inline Tensor random_tensor(DType dtype, std::initializer_list<std::int64_t> sizes,
+                            std::uint32_t seed, double lo = -1.0, double hi = 1.0) {
+  return random_tensor(dtype, std::span<const std::int64_t>(sizes.begin(), sizes.size()), seed, lo,
+                       hi);
 }
 
 // Unit roundoff (half an ulp of 1) of a floating format; f32's for f64 too,

@@ -170,6 +170,8 @@ struct ShardOffsets {
     "[S + 1] packed key offsets; with cu_seqlens_q")                                              \
   X(ConstTensorView, mask, {},                                                                    \
     "bool (true = attend) or float (added), broadcast to [B, Hq, Nq, Nk]")                        \
+  X(bool, mask_requires_grad, false,                                                              \
+    "backward: also d_mask, the float mask's gradient; no effect on the forward")                 \
   X(std::span<const float>, alibi_slopes, {}, "[Hq], or [B * Hq] ([S * Hq] packed); empty = off") \
   X(std::span<const float>, sinks, {},                                                            \
     "[Hq] learned logit per query head joining each row's softmax denominator; empty = off")      \

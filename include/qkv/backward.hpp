@@ -11,7 +11,10 @@
 //   lse     [B, Hq, Nq]           f32 (f64 for f64 inputs), from the forward
 // Parameter gradients (the rows of QKV_ATTENTION_PARAMETERS below) are f32
 // (f64 for f64 inputs), shaped like the parameter, e.g. d_sinks [Hq]:
-// dL/dS_h = -sum_(b, i) e^(S_h - lse_bhi) D_bhi.
+// dL/dS_h = -sum_(b, i) e^(S_h - lse_bhi) D_bhi. A float mask is data
+// unless options.mask_requires_grad: then d_mask, shaped like the mask, is
+// dS_ij summed over the dimensions along which the mask broadcasts (the
+// fused backward keeps B * Hq * Nq * Nk floats of dS for it).
 // With GQA/MQA, dk and dv sum the contributions of every query head that
 // reads the KV head. Keys a row never attends to, and rows with no admitted
 // key, get zero gradient (never NaN). The options must be those of the
@@ -57,15 +60,16 @@ struct ParameterSizes {
   std::int64_t dk = 0;              // k's head dimension
   std::int64_t attention_size = 0;  // A of Score::additive
   std::int64_t num_buckets = 0;     // relative_bias.table.size(1)
+  std::vector<std::int64_t> mask;   // options.mask's sizes (rank 0 to 4)
 };
 
 // The learnable parameters, one row each: X(gradient, sizes, used, option,
 // doc). `gradient` names the gradient's field in AttentionGradients and
 // GradientOutputs (and in Python); `sizes` is its shape, a parenthesized list
-// of expressions of ParameterSizes `s`; `used` says, from the options `o`,
-// when the call uses the parameter (its gradient is then computed, and
-// required by attention_backward_into); `option` names the parameter in
-// messages. Every parameter gradient is f32 (f64 for f64 inputs). The
+// of expressions of ParameterSizes `s` (or one vector); `used` says, from the
+// options `o`, when the call uses the parameter (its gradient is then
+// computed, and required by attention_backward_into); `option` names the
+// parameter in messages. Every parameter gradient is f32 (f64 for f64 inputs). The
 // allocation, the validation and the Python results derive from these rows.
 #define QKV_ATTENTION_PARAMETERS(X)                                                               \
   X(d_relative_bias, (s.hq, s.num_buckets), o.relative_bias.table.defined(),                      \
@@ -79,7 +83,9 @@ struct ParameterSizes {
   X(d_additive_bias, (s.attention_size), o.score == Score::additive && o.additive.bias.defined(), \
     "additive.bias", "[A]: additive.bias")                                                        \
   X(d_sinks, (s.hq), !o.sinks.empty(), "sinks", "[Hq]: the sinks' logits")                        \
-  X(d_score_scale, (s.hq), !o.score_scale.empty(), "score_scale", "[Hq]: the logits' scales")
+  X(d_score_scale, (s.hq), !o.score_scale.empty(), "score_scale", "[Hq]: the logits' scales")     \
+  X(d_mask, (s.mask), o.mask_requires_grad, "mask_requires_grad",                                 \
+    "mask's shape: dS summed over the dimensions along which the float mask broadcasts")
 
 // Gradients returned by the allocating overload; parameter gradients are
 // undefined when the options do not use the parameter.

@@ -68,9 +68,8 @@ def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     Tensor, not a list, so that vmap's per-sample fallback applies)."""
     o = _api._options(**dict(zip(_TENSORS, tensors)), **options)
     g = _api.attention_backward_with(q, k, v, out, dout, lse, o)
-    empty = lse.new_empty((0,))
-    parameters = [empty if getattr(g, name) is None else getattr(g, name)
-                  for name in _api.PARAMETER_GRADIENTS]
+    parameters = [lse.new_empty((0,)) if getattr(g, name) is None else getattr(g, name)
+                  for name in _api.PARAMETER_GRADIENTS]  # outputs never alias
     return (g.dq, g.dk, g.dv, *parameters)
 
 
@@ -79,8 +78,12 @@ def _(dout, q, k, v, out, lse, *tensors, **options):
     named = dict(zip(_TENSORS, tensors))
     parameters = []
     for name in _api.PARAMETER_GRADIENTS:
-        parameter = named.get(_PARAMETER_TENSORS.get(name))
-        parameters.append(lse.new_empty((0,) if parameter is None else parameter.shape))
+        tensor = _PARAMETER_TENSORS.get(name)
+        parameter = named.get(tensor)
+        # A tensor X with an option X_requires_grad (mask) has a gradient when asked.
+        flag = f"{tensor}_requires_grad"
+        used = parameter is not None and (flag not in _SCALARS or options.get(flag, False))
+        parameters.append(lse.new_empty(parameter.shape if used else (0,)))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *parameters)
 
 
@@ -92,28 +95,6 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _mask_gradient(ctx, dout, q, k, v, out, mask, tensors):
-    """dLoss/dmask for a float mask: dS = P (dP - D) summed over the
-    dimensions the mask broadcasts along."""
-    if ctx.options["dropout_p"] > 0:
-        raise NotImplementedError("qkv: the gradient of a float mask with dropout is not supported")
-    o = _api._options(**{**ctx.options, **tensors, "dropout_p": 0.0})
-    probs = _api.attention_with(q.detach(), k.detach(), v.detach(), o, return_probs=True).probs
-    group = q.shape[2] // k.shape[2]
-    dt = probs.dtype  # float32, float64 for float64 inputs
-    vv = v.detach().repeat_interleave(group, dim=2).to(dt)
-    dp = torch.einsum("bihd,bjhd->bhij", dout.to(dt), vv)
-    d = (dout.to(dt) * out.to(dt)).sum(-1).transpose(1, 2)  # [B, Hq, Nq]
-    ds = probs * (dp - d.unsqueeze(-1))
-    # Sum over the dimensions the mask broadcasts along (NumPy rules).
-    while ds.dim() > mask.dim():
-        ds = ds.sum(0)
-    for axis, size in enumerate(mask.shape):
-        if size == 1 and ds.shape[axis] != 1:
-            ds = ds.sum(axis, keepdim=True)
-    return ds.to(mask.dtype)
-
-
 def _backward(ctx, dout, dlse):
     if dlse is not None:
         raise NotImplementedError(
@@ -123,17 +104,18 @@ def _backward(ctx, dout, dlse):
     tensors = dict(zip(_TENSORS, saved))
     if dout is None:
         return (None,) * (3 + len(_TENSORS))
+    given = ctx.needs_input_grad[3:]  # the tensors passed, in _TENSORS' order
+    wanted = {n: i < len(given) and given[i] for i, n in enumerate(_TENSORS)}
+    # A float mask is data unless it requires grad; the options say which.
+    options = {**ctx.options, "mask_requires_grad": wanted["mask"]}
     dq, dk, dv, *parameters = torch.ops.qkv.attention_backward(dout.contiguous(), q, k, v, out,
-                                                               lse, **tensors, **ctx.options)
+                                                               lse, **tensors, **options)
     grads = {}
     for name, gradient in zip(_api.PARAMETER_GRADIENTS, parameters):
         tensor = _PARAMETER_TENSORS.get(name)
         parameter = tensors.get(tensor)
-        if parameter is not None and ctx.needs_input_grad[3 + _TENSORS.index(tensor)]:
+        if parameter is not None and wanted[tensor]:
             grads[tensor] = gradient.to(parameter.dtype)
-    mask = tensors.get("mask")
-    if mask is not None and ctx.needs_input_grad[3 + _TENSORS.index("mask")]:
-        grads["mask"] = _mask_gradient(ctx, dout, q, k, v, out, mask, tensors)
     return (dq, dk, dv) + tuple(grads.get(n) for n in _TENSORS)
 
 
@@ -152,7 +134,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, window: Optional[Tuple[int, in
     Hq, D], k [B, Nk, Hkv, D], v [B, Nk, Hkv, Dv] -> (out [B, Nq, Hq, Dv],
     lse [B, Hq, Nq]). Options as qkv.attention's, those the operator
     carries (tensors, numbers and strings; window=(left, right) too).
-    Gradients flow to q, k, v, a float mask and sinks. Without a dropout_seed,
+    Gradients flow to q, k, v, a float mask, sinks and score_scale. Without a dropout_seed,
     dropout draws one from torch's generator (so torch.manual_seed makes it
     reproducible)."""
     if options.get("dropout_p", 0.0) > 0 and dropout_seed is None:

@@ -137,9 +137,8 @@ class MultiheadAttention(nn.MultiheadAttention):
       dropout). Pass need_weights=False when the weights are not needed.
     * Dropout draws its mask from qkv's generator (Philox keyed by a seed
       drawn from torch's generator, so ``torch.manual_seed`` makes it
-      reproducible): the same distribution as torch's, other masks. The
-      gradient of a float mask that requires grad is not available with
-      dropout (NotImplementedError in backward). dropout must be below 1.
+      reproducible): the same distribution as torch's, other masks.
+      dropout must be below 1.
     * Float masks are converted to the query's dtype; bool masks are passed
       to the kernel as bool (masked keys are never read).
     * CPU tensors only; torch's inference fast path (and NestedTensor

@@ -281,6 +281,30 @@ def test_parameter_gradients_take_the_rows_names():
         assert abs(g.d_relative_bias[h, bucket] - numeric) <= 1e-7 * (1 + abs(numeric))
 
 
+def test_float_mask_gradient_when_asked():
+    # d_mask is None unless mask_requires_grad; then the mask's shape, equal
+    # to central differences of L = <out, dout> (float64, as above).
+    q, k, v = (x.astype(np.float64) for x in problem())
+    dout = rand(2, 5, 4, 6).astype(np.float64)
+    mask = rand(1, 4, 1, 7).astype(np.float64)
+    r = qkv.attention(q, k, v, return_lse=True, mask=mask, causal=True)
+    assert qkv.attention_backward(q, k, v, r.out, dout, r.lse, mask=mask, causal=True).d_mask is None
+    g = qkv.attention_backward(q, k, v, r.out, dout, r.lse, mask=mask, causal=True,
+                               mask_requires_grad=True)
+    assert g.d_mask.shape == mask.shape and g.d_mask.dtype == np.float64
+
+    def loss(m):
+        return float((qkv.attention(q, k, v, mask=m, causal=True) * dout).sum())
+
+    for index in ((0, 0, 0, 0), (0, 3, 0, 6), (0, 2, 0, 4)):
+        step = np.zeros_like(mask)
+        step[index] = 1e-6
+        numeric = (loss(mask + step) - loss(mask - step)) / 2e-6
+        assert abs(g.d_mask[index] - numeric) <= 1e-7 * (1 + abs(numeric))
+    with pytest.raises(ValueError, match="mask_requires_grad: expected a float options.mask"):
+        qkv.attention_backward(q, k, v, r.out, dout, r.lse, mask_requires_grad=True)
+
+
 def test_parameter_gradient_outputs_are_named_by_the_rows():
     from qkv import _qkv
 

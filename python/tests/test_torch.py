@@ -104,6 +104,49 @@ def test_gradcheck_in_float64():
         (q, k, v, m))
 
 
+def test_gradcheck_float_mask_with_dropout_sinks_and_score_scale():
+    """The mask's gradient is dS summed where it broadcasts, computed by the
+    backward itself, with dropout (a fixed seed makes the function
+    deterministic), sinks and score_scale. (Sinks and scales are float32
+    values inside qkv: float64 differences cannot check their gradients.)"""
+    q = torch.randn(2, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 5, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 5, 1, 3, dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    scale = torch.tensor([1.5, 0.75], dtype=torch.float64)
+    for shape in ((2, 2, 4, 5), (1, 4, 1), (5,)):
+        m = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, m: _ops.attention(q, k, v, mask=m, sinks=sinks, score_scale=scale,
+                                              dropout_p=0.3, dropout_seed=5)[0],
+            (q, k, v, m))
+
+
+def test_float_mask_without_requires_grad_gets_no_gradient():
+    q, k, v = (torch.randn(1, 3, 1, 4, requires_grad=True) for _ in range(3))
+    m = torch.randn(3, 3)
+    _ops.attention(q, k, v, mask=m)[0].sum().backward()
+    assert m.grad is None and q.grad is not None
+
+
+def test_opcheck_with_a_float_mask_that_requires_grad():
+    """The backward operator's fake kernel gives d_mask's shape when asked
+    (lse is not differentiable, so the whole-graph test is left out)."""
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)
+    mask = torch.randn(4, 6, requires_grad=True)
+    torch.library.opcheck(torch.ops.qkv.attention.default, (q, k, v),
+                          {"mask": mask, "causal": True},
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    out, lse = torch.ops.qkv.attention(q, k, v, mask=mask.detach(), causal=True)
+    for wanted in (True, False):
+        torch.library.opcheck(torch.ops.qkv.attention_backward.default,
+                              (torch.randn_like(out), q, k, v, out, lse),
+                              {"mask": mask.detach(), "causal": True,
+                               "mask_requires_grad": wanted},
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def test_lse_is_not_differentiable():
     q, k, v = (torch.randn(1, 3, 1, 4, requires_grad=True) for _ in range(3))
     _, lse = _ops.attention(q, k, v)

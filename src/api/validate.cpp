@@ -200,6 +200,10 @@ void check_sequences(const AttentionOptions& o, AttentionProblem& p, Reasons& r)
 }
 
 void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
+  if (o.mask_requires_grad && !(o.mask.defined() && is_floating(o.mask.dtype()))) {
+    r.push_back(std::string("options.mask_requires_grad: expected a float options.mask, got ") +
+                (o.mask.defined() ? "a bool mask" : "none"));
+  }
   if (!o.mask.defined()) return;
   if (!check_tensor("options.mask", o.mask, -1, r)) return;
   const std::int64_t target[4] = {p.batch, p.hq, p.nq, p.nk};

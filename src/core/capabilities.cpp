@@ -50,6 +50,7 @@ constexpr Row kTable[] = {
     {Option::cu_seqlens_q,   "yyy----"},
     {Option::cu_seqlens_k,   "yyy----"},
     {Option::mask,           "yyy----"},
+    {Option::mask_requires_grad, "yyy----"},
     {Option::alibi_slopes,   "yyy--yy"},
     {Option::sinks,          "yyy-yyy"},
     {Option::score_scale,    "yy---yy"},

@@ -1,10 +1,19 @@
 #include "core/parameters.hpp"
 
 // A row's parenthesized sizes as a vector.
-#define QKV_PARAMETER_SIZES(...) \
-  std::vector<std::int64_t> { __VA_ARGS__ }
+#define QKV_PARAMETER_SIZES(...) shape_of(__VA_ARGS__)
 
 namespace qkv::detail {
+namespace {
+
+// A row's sizes: a list of sizes, or one vector of them.
+template <class... Sizes>
+std::vector<std::int64_t> shape_of(Sizes... sizes) {
+  return {sizes...};
+}
+std::vector<std::int64_t> shape_of(const std::vector<std::int64_t>& sizes) { return sizes; }
+
+}  // namespace
 
 std::vector<ParameterRow> parameter_rows(const AttentionProblem& p, const AttentionOptions& o) {
   const ParameterSizes s{
@@ -12,7 +21,8 @@ std::vector<ParameterRow> parameter_rows(const AttentionProblem& p, const Attent
       .dq = p.dq,
       .dk = p.dk,
       .attention_size = p.attention_size,
-      .num_buckets = o.relative_bias.table.defined() ? o.relative_bias.table.size(1) : 0};
+      .num_buckets = o.relative_bias.table.defined() ? o.relative_bias.table.size(1) : 0,
+      .mask = {o.mask.size_span().begin(), o.mask.size_span().end()}};
   std::vector<ParameterRow> rows;
 #define QKV_PARAMETER_ROW(gradient, sizes, used, option, doc)         \
   rows.push_back({#gradient, QKV_PARAMETER_SIZES sizes, used, option, \

@@ -75,6 +75,7 @@ HWY_AFTER_NAMESPACE();
 #include <vector>
 
 #include "core/gemm.hpp"
+#include "core/mask_gradient.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "cpu/additive_backward.hpp"
 
@@ -209,6 +210,9 @@ bool additive_backward(const detail::AttentionProblem& p, const KernelParams& o,
   // One work item per (sequence, KV head); each has its own d_v partial sum.
   const std::int64_t items = p.sequences * p.hkv;
   std::vector<float> dv_partial(static_cast<std::size_t>(items * a_pad));
+  // dS at every (b, h, i, j), for d_mask (core/mask_gradient.hpp).
+  Tensor ds_full = grads.d_mask.defined() ? detail::score_gradients(p, DType::f32) : Tensor();
+  float* const ds_at = ds_full.defined() ? ds_full.data<float>() : nullptr;
   const std::int64_t ld_q = p.hq * p.dv, ld_k = p.hkv * p.dv;  // row strides of one head
 #pragma omp parallel for schedule(dynamic) if (items > 1)
   for (std::int64_t item = 0; item < items; ++item) {
@@ -261,6 +265,11 @@ bool additive_backward(const detail::AttentionProblem& p, const KernelParams& o,
           k_used[static_cast<std::size_t>(k_row + j * p.hkv)] = 1;
           any = true;
         }
+        if (ds_at != nullptr) {
+          std::copy_n(
+              ds.data(), nk,
+              ds_at + ((seq.batch * p.hq + h) * p.nq + seq.q_begin + i) * p.nk + seq.k_begin);
+        }
         if (!any) continue;
         q_used[static_cast<std::size_t>(row)] = 1;
         HWY_DYNAMIC_DISPATCH(ChainRow)
@@ -292,6 +301,7 @@ bool additive_backward(const detail::AttentionProblem& p, const KernelParams& o,
   }
   bool finite = true;
   for (Result* r : {&dq, &dk, &dvs, &dw_q, &dw_k, &d_v, &d_bias}) finite &= r->finish();
+  if (ds_at != nullptr) finite = detail::sum_into_mask(ds_full, grads.d_mask) && finite;
   return finite;
 }
 

@@ -13,6 +13,7 @@
 //                                   or sum_j P_ij dP_ij without O
 //   t = tanh(UQ_i + UK_j),  du = dS_ij v (1 - t^2)              (Highway, per pair)
 //   dUQ_i += du,  dUK_j += du,  d_v += dS_ij t
+//   d_mask: dS itself, summed where the mask broadcasts (core/mask_gradient.hpp)
 //
 // then dq = dUQ W_q, dk = dUK W_k, dW_q = dUQ^T Q, dW_k = dUK^T K (GEMMs over
 // all rows) and d_bias = the column sums of dUQ (equal to dUK's: each du

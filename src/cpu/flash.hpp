@@ -154,6 +154,9 @@ struct BackwardPlan {
   float* dq_partial = nullptr;  // [chunks][B * Nq * Hq][dq_ld], zeroed
   // Relative bias gradient by j - p_i + R, per task: [tasks][group][2 R + 1].
   double* bias_partial = nullptr;
+  // d_mask's buffer of dS, [B, Hq, Nq, Nk] zeroed (core/mask_gradient.hpp),
+  // or null without d_mask.
+  float* ds_full = nullptr;
 };
 
 // Forward pass: out and lse (and row_max, row_scale when defined). Runs on

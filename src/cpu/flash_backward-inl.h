@@ -7,8 +7,9 @@
 //   dP^T = V dO^T
 //   dS^T = P^T (Z r dP^T - D)                   D_i = <dout_i, out_i>
 //   dV  += (Z r P^T) dO,  dK += dS^T Q,  dQ += dS K
-// Memory: per-thread tiles, the f32 dQ buffers of the key chunks, and for a
-// relative bias its per-task gradient by distance.
+// Memory: per-thread tiles, the f32 dQ buffers of the key chunks, for a
+// relative bias its per-task gradient by distance, and for d_mask dS of
+// every (b, h, i, j) (B * Hq * Nq * Nk floats).
 #if defined(QKV_CPU_FLASH_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_FLASH_BACKWARD_INL_H_
 #undef QKV_CPU_FLASH_BACKWARD_INL_H_
@@ -254,6 +255,7 @@ inline void BackwardTile(const BackwardPlan& bp, const BackwardTask& task, const
   }
   if (bias_partial != nullptr)
     AccumulateBiasGradient(plan, u, g, j0, cols, rows_pad, dp, bias_partial);
+  if (bp.ds_full != nullptr) StoreScoreGradient(plan, u, g, j0, cols, rows_pad, dp, bp.ds_full);
   if (o.softcap > 0.0) SoftcapGradient(o.softcap, b.raw.get(), cols, rows_used, rows_pad, dp);
 
   float* dq = b.dq.get();

@@ -29,6 +29,7 @@ HWY_AFTER_NAMESPACE();
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/mask_gradient.hpp"
 #include "hwy/aligned_allocator.h"
 #include "qkv/positional.hpp"
 
@@ -71,8 +72,15 @@ bool flash_backward(const FlashPlan& plan, const BackwardArgs& args) {
     bp.bias_partial = bias_partial.data();
   }
 
+  Tensor ds_full;
+  if (args.grads.d_mask.defined()) {
+    ds_full = detail::score_gradients(p, DType::f32);
+    bp.ds_full = ds_full.data<float>();
+  }
+
   bool finite = HWY_DYNAMIC_DISPATCH(Backward)(bp);
   finite = HWY_DYNAMIC_DISPATCH(ReduceDq)(bp) && finite;
+  if (ds_full.defined()) finite = detail::sum_into_mask(ds_full, args.grads.d_mask) && finite;
 
   if (plan.relative_bias.empty()) return finite;
   // Distances to buckets, summing the tasks in order.

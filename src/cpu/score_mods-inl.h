@@ -270,6 +270,23 @@ inline void AccumulateBiasGradient(const FlashPlan& plan, const Unit& u, const U
   }
 }
 
+// Writes dS of the tile into ds_full, [B, Hq, Nq, Nk] (d_mask's buffer,
+// core/mask_gradient.hpp), at its (batch entry, head, query row, key).
+inline void StoreScoreGradient(const FlashPlan& plan, const Unit& u, const UnitGeometry& g,
+                               std::int64_t j0, std::int64_t cols, std::int64_t rows_pad,
+                               const float* HWY_RESTRICT ds, float* HWY_RESTRICT ds_full) {
+  const detail::AttentionProblem& p = *plan.problem;
+  for (std::int64_t gi = 0; gi < g.group; ++gi) {
+    const std::int64_t h = u.hkv * g.group + gi;
+    for (std::int64_t t = 0; t < g.positions; ++t) {
+      const std::int64_t row = g.seq.q_begin + u.i0 + t;
+      float* dst = ds_full + ((g.seq.batch * p.hq + h) * p.nq + row) * p.nk + g.seq.k_begin + j0;
+      const float* col = ds + gi * g.positions + t;
+      for (std::int64_t c = 0; c < cols; ++c) dst[c] = col[c * rows_pad];
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::cpu
 HWY_AFTER_NAMESPACE();

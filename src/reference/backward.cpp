@@ -9,6 +9,7 @@
 //   dv_j  += rZ_ij P_ij dout_i
 //   dS_ij  = P_ij (rZ_ij <dout_i, v_j> - D_i)          gradient of the score s_ij
 //   d_table[h, bucket(i, j)] += dS_ij                  the bias is added to s_ij
+//   d_mask[b, h, i, j] += dS_ij                        so is a float mask
 //   dR_ij  = dS_ij (1 - tanh^2(R_ij / c))              through softcap c tanh(R / c)
 //
 // and through the raw score R_ij = f(q_i, k_j):
@@ -20,7 +21,8 @@
 //
 // D_i is the softmax's correction: sum_l P_il dP_il with dP_il = rZ_il
 // <dout_i, v_l> equals <dout_i, out_i> because out_i = sum_l P_il rZ_il v_l.
-// ALiBi and the float mask are constants here; their gradient is not asked.
+// ALiBi is a constant here; a float mask has a gradient when asked
+// (options.mask_requires_grad), summed where the mask broadcasts.
 //
 // The same loops in float, rounding P, dP and dS to f16/bf16 for those
 // inputs and taking the caller's lse as a kernel would, are the naive
@@ -35,6 +37,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
+#include "core/mask_gradient.hpp"
 #include "core/score_scale.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
@@ -141,6 +144,9 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   std::vector<Real> d_w_k(static_cast<std::size_t>(a_size * p.dk));     // [A][Dk]
   std::vector<Real> d_additive_v(static_cast<std::size_t>(a_size));     // [A]
   std::vector<Real> d_additive_bias(static_cast<std::size_t>(a_size));  // [A]
+  // dS at every (b, h, i, j), for d_mask (core/mask_gradient.hpp).
+  Tensor ds_full = grads.d_mask.defined() ? detail::score_gradients(p, dtype_of_v<Real>) : Tensor();
+  Real* const ds_at = ds_full.defined() ? ds_full.data<Real>() : nullptr;
 
   std::vector<unsigned char> keep;  // Z of one row
   std::vector<Real> raw_scores;     // R_ij of one row
@@ -207,6 +213,9 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
               const Real ds = round_to(prob * (rz * dp - d_i), rounding);
               if (ds == 0) continue;
               if (table.defined()) d_table[h * buckets + relative_bucket(head, i, j)] += ds;
+              if (ds_at != nullptr) {
+                ds_at[((seq.batch * p.hq + h) * p.nq + row) * p.nk + seq.k_begin + j] = ds;
+              }
               Real dr = ds;
               if (o.softcap > 0.0) {
                 const Real t = std::tanh(raw / static_cast<Real>(o.softcap));
@@ -256,6 +265,7 @@ void backward_in(const detail::AttentionProblem& p, ConstTensorView q, ConstTens
   store_parameter(grads.d_additive_w_k, d_w_k);
   store_parameter(grads.d_additive_v, d_additive_v);
   store_parameter(grads.d_additive_bias, d_additive_bias);
+  if (ds_at != nullptr) detail::sum_into_mask(ds_full, grads.d_mask);
 }
 
 }  // namespace

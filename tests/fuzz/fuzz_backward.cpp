@@ -29,12 +29,38 @@ using qkv::fuzz::finding;
 using qkv::fuzz::Input;
 using qkv::fuzz::require;
 
-// The gradient views of an _into call, each an Arg (sentinel-filled).
+// The parameter rows' gradient fields (QKV_ATTENTION_PARAMETERS), in order.
+constexpr const char* kParameterNames[] = {
+#define QKV_FUZZ_NAME(gradient, sizes, used, option, doc) #gradient,
+    QKV_ATTENTION_PARAMETERS(QKV_FUZZ_NAME)
+#undef QKV_FUZZ_NAME
+};
+constexpr qkv::TensorView qkv::GradientOutputs::*kParameterViews[] = {
+#define QKV_FUZZ_VIEW(gradient, sizes, used, option, doc) &qkv::GradientOutputs::gradient,
+    QKV_ATTENTION_PARAMETERS(QKV_FUZZ_VIEW)
+#undef QKV_FUZZ_VIEW
+};
+constexpr Tensor qkv::AttentionGradients::*kParameterTensors[] = {
+#define QKV_FUZZ_TENSOR(gradient, sizes, used, option, doc) &qkv::AttentionGradients::gradient,
+    QKV_ATTENTION_PARAMETERS(QKV_FUZZ_TENSOR)
+#undef QKV_FUZZ_TENSOR
+};
+constexpr std::size_t kParameters = std::size(kParameterNames);
+
+// The gradient views of an _into call, each an Arg (sentinel-filled): dq,
+// dk, dv and one per parameter row (undefined where not given).
 struct Grads {
-  Arg dq, dk, dv, d_table, d_wq, d_wk, d_v, d_bias;
-  std::vector<Arg*> all() { return {&dq, &dk, &dv, &d_table, &d_wq, &d_wk, &d_v, &d_bias}; }
+  Arg dq, dk, dv;
+  std::array<Arg, kParameters> parameters;
+  std::vector<Arg*> all() {
+    std::vector<Arg*> a = {&dq, &dk, &dv};
+    for (Arg& p : parameters) a.push_back(&p);
+    return a;
+  }
   qkv::GradientOutputs views() const {
-    return {dq.view, dk.view, dv.view, d_table.view, d_wq.view, d_wk.view, d_v.view, d_bias.view};
+    qkv::GradientOutputs g{.dq = dq.view, .dk = dk.view, .dv = dv.view};
+    for (std::size_t i = 0; i < kParameters; ++i) g.*kParameterViews[i] = parameters[i].view;
+    return g;
   }
 };
 
@@ -44,18 +70,21 @@ Grads make_grads(Input& in, AttentionCase& c) {
   g.dq = qkv::fuzz::make_output(in, {c.batch, c.nq, c.hq, c.dq}, c.dtype);
   g.dk = qkv::fuzz::make_output(in, {c.batch, c.nk, c.hkv, c.dk}, c.dtype);
   g.dv = qkv::fuzz::make_output(in, {c.batch, c.nk, c.hkv, c.dv}, c.dtype);
-  if (c.table.view.defined()) {
-    g.d_table = qkv::fuzz::make_output(in, {c.hq, c.table.view.size(1)}, stat);
-  }
-  if (c.opt.score == qkv::Score::additive && c.w_q.view.defined() && c.w_k.view.defined()) {
-    const std::int64_t a = c.w_q.view.size(0);
-    g.d_wq = qkv::fuzz::make_output(in, {a, c.dq}, stat);
-    g.d_wk = qkv::fuzz::make_output(in, {a, c.dk}, stat);
-    g.d_v = qkv::fuzz::make_output(in, {a}, stat);
-    if (c.add_bias.view.defined()) g.d_bias = qkv::fuzz::make_output(in, {a}, stat);
+  // The parameter gradients the call needs, as the library lists them.
+  std::vector<qkv::ParameterGradient> used;
+  qkv::fuzz::accepted("parameter_gradients",
+                      [&] { used = qkv::parameter_gradients(c.q, c.k, c.v, c.opt); });
+  for (const qkv::ParameterGradient& u : used) {
+    for (std::size_t i = 0; i < kParameters; ++i) {
+      if (std::string_view(u.name) == kParameterNames[i]) {
+        g.parameters[i] = qkv::fuzz::make_output(in, u.sizes, stat);
+      }
+    }
   }
   if (!in.one_in(8)) return g;
-  Arg& victim = *g.all()[static_cast<std::size_t>(in.range(0, 7))];
+  const std::vector<Arg*> views = g.all();
+  Arg& victim =
+      *views[static_cast<std::size_t>(in.range(0, static_cast<std::int64_t>(views.size()) - 1))];
   switch (in.range(0, 2)) {
     case 0:
       if (victim.view.defined()) {
@@ -258,14 +287,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     r.dq = qkv::to_dtype(g.dq.view, c.dtype);
     r.dk = qkv::to_dtype(g.dk.view, c.dtype);
     r.dv = qkv::to_dtype(g.dv.view, c.dtype);
+    for (std::size_t i = 0; i < kParameters; ++i) {
+      const Arg& a = g.parameters[i];
+      if (a.view.defined()) r.*kParameterTensors[i] = qkv::to_dtype(a.view, a.view.dtype());
+    }
   }
   const bool finite = forward_ok && c.finite_expected && c.inputs_finite() && dout.finite &&
                       gradients_bounded(c, vd.magnitude);
   if (finite) {
     for (const Arg* a : g.all()) qkv::fuzz::require_finite(a->view, "gradient: " + c.text);
-    for (const Tensor* t : {&r.dq, &r.dk, &r.dv, &r.d_relative_bias, &r.d_additive_w_q,
-                            &r.d_additive_w_k, &r.d_additive_v, &r.d_additive_bias}) {
+    for (const Tensor* t : {&r.dq, &r.dk, &r.dv}) {
       qkv::fuzz::require_finite(t->view(), "gradient: " + c.text);
+    }
+    for (Tensor qkv::AttentionGradients::*t : kParameterTensors) {
+      qkv::fuzz::require_finite((r.*t).view(), "gradient: " + c.text);
     }
   }
   const bool small = qkv::fuzz::small_enough({c.batch, c.hq, c.nq, c.nk, c.dq + c.dv}, 50000);
@@ -279,8 +314,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     AttentionOptions o = c.opt;
     o.backend = qkv::Backend::fast;
     const qkv::AttentionGradients again = qkv::attention_backward(c.q, c.k, c.v, out, dout, lse, o);
-    require(qkv::fuzz::same_values(again.dq, r.dq) && qkv::fuzz::same_values(again.dk, r.dk) &&
-                qkv::fuzz::same_values(again.dv, r.dv),
+    bool same = qkv::fuzz::same_values(again.dq, r.dq) && qkv::fuzz::same_values(again.dk, r.dk) &&
+                qkv::fuzz::same_values(again.dv, r.dv);
+    for (std::size_t i = 0; i < kParameters; ++i) {
+      same = same && qkv::fuzz::same_values(again.*kParameterTensors[i], r.*kParameterTensors[i]);
+    }
+    require(same,
             "fast backward differs from the same call made allocating on another thread "
             "count: " +
                 c.text);

@@ -930,6 +930,12 @@ inline void fuzz_mask(Input& in, AttentionCase& c) {
   }
   c.opt.mask = c.mask.view;
   c.note(std::string(boolean ? "bool" : "float") + " mask rank " + std::to_string(rank));
+  // Its gradient asked (only a float mask has one).
+  if (in.one_in(boolean ? 16 : 2)) {
+    c.opt.mask_requires_grad = true;
+    c.note("mask_requires_grad");
+    if (boolean) c.reject("mask_requires_grad with a bool mask");
+  }
 }
 
 // The additive score's parameters (A may be 0).
