@@ -12,6 +12,8 @@
 
 #include "core/isa.hpp"
 #include "cpu/engines/amx_tiles.hpp"
+#include "cpu/engines/engine_table.hpp"
+#include "cpu/engines/strips.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_ENGINES_X86 1
@@ -91,40 +93,16 @@ QKV_AVX512_BF16 void avx512_micro(const Bf16Product& p, std::int64_t i0, std::in
   }
 }
 
-// Strips of up to 8 rows by 32 columns: 16 accumulators, 2 B vectors and a
-// broadcast of AVX-512's 32 registers.
-template <int kVecs>
-QKV_AVX512_BF16 void avx512_strip(const Bf16Product& p, std::int64_t i0, std::int64_t j0) {
-  switch (std::min<std::int64_t>(p.m - i0, 8)) {
-    case 1:
-      return avx512_micro<1, kVecs>(p, i0, j0);
-    case 2:
-      return avx512_micro<2, kVecs>(p, i0, j0);
-    case 3:
-      return avx512_micro<3, kVecs>(p, i0, j0);
-    case 4:
-      return avx512_micro<4, kVecs>(p, i0, j0);
-    case 5:
-      return avx512_micro<5, kVecs>(p, i0, j0);
-    case 6:
-      return avx512_micro<6, kVecs>(p, i0, j0);
-    case 7:
-      return avx512_micro<7, kVecs>(p, i0, j0);
-    default:
-      return avx512_micro<8, kVecs>(p, i0, j0);
-  }
+void product_avx512_bf16(const Bf16Product& p) {
+  for_each_strip(p.m, p.n, [&]<int R, int kVecs>(std::int64_t i0, std::int64_t j0) {
+    avx512_micro<R, kVecs>(p, i0, j0);
+  });
 }
 
-QKV_AVX512_BF16 void product_avx512_bf16(const Bf16Product& p) {
-  for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
-    for (std::int64_t i0 = 0; i0 < p.m; i0 += 8) {
-      if (j0 + 32 <= p.n) {
-        avx512_strip<2>(p, i0, j0);
-      } else {
-        avx512_strip<1>(p, i0, j0);
-      }
-    }
-  }
+void product_amx_bf16(const Bf16Product& p) {
+  amx_product(AmxOp::bf16, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda * 2,
+                            reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c, p.ldc, p.m,
+                            p.n, p.k * 2, p.accumulate});
 }
 
 #undef QKV_AVX512_BF16
@@ -144,52 +122,27 @@ float tdpbf16_pair(float acc, std::uint16_t a0, std::uint16_t a1, std::uint16_t 
   return fma_ftz(widen_daz(a1), widen_daz(b1), acc);
 }
 
-const char* engine_name(Bf16Engine e) {
-  switch (e) {
-    case Bf16Engine::avx512_bf16:
-      return "avx512_bf16";
-    case Bf16Engine::amx_bf16:
-      return "amx_bf16";
-    case Bf16Engine::emulate_avx512_bf16:
-      return "emulated avx512_bf16";
-    case Bf16Engine::emulate_amx_bf16:
-      return "emulated amx_bf16";
-  }
-  return "?";
-}
+namespace {
 
-bool engine_available(Bf16Engine e) {
-  switch (e) {
-    case Bf16Engine::avx512_bf16:
-      return QKV_ENGINES_X86 && detail::family_allowed(detail::Family::avx512_bf16);
-    case Bf16Engine::amx_bf16:
-      return QKV_ENGINES_X86 && detail::family_allowed(detail::Family::amx_bf16);
-    case Bf16Engine::emulate_avx512_bf16:
-    case Bf16Engine::emulate_amx_bf16:
-      return true;
-  }
-  return false;
-}
-
-void bf16_product(Bf16Engine e, const Bf16Product& p) {
-  switch (e) {
-#if QKV_ENGINES_X86
-    case Bf16Engine::avx512_bf16:
-      return product_avx512_bf16(p);
-    case Bf16Engine::amx_bf16:
-      return amx_product(AmxOp::bf16, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda * 2,
-                                       reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c,
-                                       p.ldc, p.m, p.n, p.k * 2, p.accumulate});
-#else
-    case Bf16Engine::avx512_bf16:
-    case Bf16Engine::amx_bf16:
-      return;
+#if !QKV_ENGINES_X86
+// Never available (engine_available), so never run.
+void product_avx512_bf16(const Bf16Product&) {}
+void product_amx_bf16(const Bf16Product&) {}
 #endif
-    case Bf16Engine::emulate_avx512_bf16:
-      return emulate<dpbf16_pair>(p);
-    case Bf16Engine::emulate_amx_bf16:
-      return emulate<tdpbf16_pair>(p);
-  }
-}
+
+// The engines in Bf16Engine's order.
+constexpr EngineRow<Bf16Product> kEngines[] = {
+    {"avx512_bf16", detail::Family::avx512_bf16, product_avx512_bf16},
+    {"amx_bf16", detail::Family::amx_bf16, product_amx_bf16},
+    {"emulated avx512_bf16", std::nullopt, emulate<dpbf16_pair>},
+    {"emulated amx_bf16", std::nullopt, emulate<tdpbf16_pair>},
+};
+static_assert(std::size(kEngines) == static_cast<std::size_t>(Bf16Engine::emulate_amx_bf16) + 1);
+
+}  // namespace
+
+const char* engine_name(Bf16Engine e) { return row_of(kEngines, e).name; }
+bool engine_available(Bf16Engine e) { return runs_now(row_of(kEngines, e), QKV_ENGINES_X86); }
+void bf16_product(Bf16Engine e, const Bf16Product& p) { row_of(kEngines, e).run(p); }
 
 }  // namespace qkv::cpu::engines

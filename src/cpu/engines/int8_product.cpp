@@ -8,6 +8,8 @@
 
 #include "core/isa.hpp"
 #include "cpu/engines/amx_tiles.hpp"
+#include "cpu/engines/engine_table.hpp"
+#include "cpu/engines/strips.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_INT8_X86 1
@@ -69,38 +71,16 @@ QKV_VNNI void vnni_micro(const Int8Product& p, std::int64_t i0, std::int64_t j0)
   }
 }
 
-template <int kVecs>
-QKV_VNNI void vnni_strip(const Int8Product& p, std::int64_t i0, std::int64_t j0) {
-  switch (std::min<std::int64_t>(p.m - i0, 8)) {
-    case 1:
-      return vnni_micro<1, kVecs>(p, i0, j0);
-    case 2:
-      return vnni_micro<2, kVecs>(p, i0, j0);
-    case 3:
-      return vnni_micro<3, kVecs>(p, i0, j0);
-    case 4:
-      return vnni_micro<4, kVecs>(p, i0, j0);
-    case 5:
-      return vnni_micro<5, kVecs>(p, i0, j0);
-    case 6:
-      return vnni_micro<6, kVecs>(p, i0, j0);
-    case 7:
-      return vnni_micro<7, kVecs>(p, i0, j0);
-    default:
-      return vnni_micro<8, kVecs>(p, i0, j0);
-  }
+void product_vnni(const Int8Product& p) {
+  for_each_strip(p.m, p.n, [&]<int R, int kVecs>(std::int64_t i0, std::int64_t j0) {
+    vnni_micro<R, kVecs>(p, i0, j0);
+  });
 }
 
-QKV_VNNI void product_vnni(const Int8Product& p) {
-  for (std::int64_t j0 = 0; j0 < p.n; j0 += 32) {
-    for (std::int64_t i0 = 0; i0 < p.m; i0 += 8) {
-      if (j0 + 32 <= p.n) {
-        vnni_strip<2>(p, i0, j0);
-      } else {
-        vnni_strip<1>(p, i0, j0);
-      }
-    }
-  }
+void product_amx_int8(const Int8Product& p) {
+  amx_product(AmxOp::int8, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda,
+                            reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c, p.ldc, p.m,
+                            p.n, p.k, p.accumulate});
 }
 
 #undef QKV_VNNI
@@ -108,47 +88,26 @@ QKV_VNNI void product_vnni(const Int8Product& p) {
 
 }  // namespace
 
-const char* engine_name(Int8Engine e) {
-  switch (e) {
-    case Int8Engine::avx512_vnni:
-      return "avx512_vnni";
-    case Int8Engine::amx_int8:
-      return "amx_int8";
-    case Int8Engine::emulate:
-      return "emulated int8";
-  }
-  return "?";
-}
+namespace {
 
-bool engine_available(Int8Engine e) {
-  switch (e) {
-    case Int8Engine::avx512_vnni:
-      return QKV_INT8_X86 && detail::family_allowed(detail::Family::avx512_vnni);
-    case Int8Engine::amx_int8:
-      return QKV_INT8_X86 && detail::family_allowed(detail::Family::amx_int8);
-    case Int8Engine::emulate:
-      return true;
-  }
-  return false;
-}
-
-void int8_product(Int8Engine e, const Int8Product& p) {
-  switch (e) {
-#if QKV_INT8_X86
-    case Int8Engine::avx512_vnni:
-      return product_vnni(p);
-    case Int8Engine::amx_int8:
-      return amx_product(AmxOp::int8, {reinterpret_cast<const std::uint8_t*>(p.a), p.lda,
-                                       reinterpret_cast<const std::uint8_t*>(p.b), p.ldb * 4, p.c,
-                                       p.ldc, p.m, p.n, p.k, p.accumulate});
-#else
-    case Int8Engine::avx512_vnni:
-    case Int8Engine::amx_int8:
-      return emulate(p);
+#if !QKV_INT8_X86
+// Never available (engine_available), so never run.
+void product_vnni(const Int8Product&) {}
+void product_amx_int8(const Int8Product&) {}
 #endif
-    case Int8Engine::emulate:
-      return emulate(p);
-  }
-}
+
+// The engines in Int8Engine's order.
+constexpr EngineRow<Int8Product> kEngines[] = {
+    {"avx512_vnni", detail::Family::avx512_vnni, product_vnni},
+    {"amx_int8", detail::Family::amx_int8, product_amx_int8},
+    {"emulated int8", std::nullopt, emulate},
+};
+static_assert(std::size(kEngines) == static_cast<std::size_t>(Int8Engine::emulate) + 1);
+
+}  // namespace
+
+const char* engine_name(Int8Engine e) { return row_of(kEngines, e).name; }
+bool engine_available(Int8Engine e) { return runs_now(row_of(kEngines, e), QKV_INT8_X86); }
+void int8_product(Int8Engine e, const Int8Product& p) { row_of(kEngines, e).run(p); }
 
 }  // namespace qkv::cpu::engines
