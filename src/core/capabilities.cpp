@@ -1,6 +1,7 @@
 #include "core/capabilities.hpp"
 
 #include <array>
+#include <iterator>
 #include <string>
 
 namespace qkv::detail {
@@ -103,23 +104,15 @@ constexpr std::array<const char*, kOptionCount> kPaths = paths_of_options();
 }  // namespace
 
 const char* path_name(Path path) {
-  switch (path) {
-    case Path::forward:
-      return "qkv::attention";
-    case Path::backward:
-      return "qkv::attention_backward";
-    case Path::additive_backward:
-      return "the fused backward of Score::additive";
-    case Path::additive_own_weights:
-      return "the additive backward's own weights";
-    case Path::dilated_split:
-      return "the split of a dilated pattern";
-    case Path::decode:
-      return "decode_attention";
-    case Path::context_parallel:
-      return "qkv::dist";
-  }
-  return "?";
+  constexpr const char* kNames[] = {"qkv::attention",
+                                    "qkv::attention_backward",
+                                    "the fused backward of Score::additive",
+                                    "the additive backward's own weights",
+                                    "the split of a dilated pattern",
+                                    "decode_attention",
+                                    "qkv::dist"};  // in Path's order
+  static_assert(std::size(kNames) == kPathCount);
+  return kNames[static_cast<int>(path)];
 }
 
 bool supports(Path path, Option option) {

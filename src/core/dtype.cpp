@@ -4,41 +4,32 @@
 
 #include <bit>
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 namespace qkv {
 
-std::size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return 4;
-    case DType::f64:
-      return 8;
-    case DType::f16:
-      return 2;
-    case DType::bf16:
-      return 2;
-    case DType::boolean:
-      return 1;
-  }
-  return 0;
+namespace {
+
+// Per dtype, in DType's order: bytes per element and name.
+struct DTypeRow {
+  std::size_t size;
+  std::string_view name;
+};
+constexpr DTypeRow kDTypes[] = {{4, "f32"}, {8, "f64"}, {2, "f16"}, {2, "bf16"}, {1, "bool"}};
+static_assert(std::size(kDTypes) == static_cast<std::size_t>(DType::boolean) + 1);
+
+// The row of a dtype; none for a value that is no DType.
+const DTypeRow* row_of(DType dtype) {
+  const auto i = static_cast<std::size_t>(dtype);
+  return i < std::size(kDTypes) ? &kDTypes[i] : nullptr;
 }
 
-std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return "f32";
-    case DType::f64:
-      return "f64";
-    case DType::f16:
-      return "f16";
-    case DType::bf16:
-      return "bf16";
-    case DType::boolean:
-      return "bool";
-  }
-  return "?";
-}
+}  // namespace
+
+std::size_t dtype_size(DType dtype) { return row_of(dtype) ? row_of(dtype)->size : 0; }
+
+std::string_view dtype_name(DType dtype) { return row_of(dtype) ? row_of(dtype)->name : "?"; }
 
 bool is_floating(DType dtype) {
   return dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 || dtype == DType::bf16;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -25,6 +26,18 @@ namespace qkv::detail {
 namespace {
 
 constexpr std::size_t index_of(Family f) { return static_cast<std::size_t>(f); }
+
+// Per family, in kFamilies' order: its name and the QKV_ISA level that
+// allows it.
+struct FamilyRow {
+  const char* name;
+  Isa level;
+};
+constexpr FamilyRow kFamilyRows[] = {{"avx512_vnni", Isa::avx512_vnni},
+                                     {"avx512_bf16", Isa::avx512_bf16},
+                                     {"amx_int8", Isa::amx},
+                                     {"amx_bf16", Isa::amx}};
+static_assert(std::size(kFamilyRows) == kFamilies.size());
 
 #if QKV_X86_CPUID
 struct Regs {
@@ -158,32 +171,9 @@ std::atomic<int> test_limit{-1};
 
 }  // namespace
 
-const char* family_name(Family f) {
-  switch (f) {
-    case Family::avx512_vnni:
-      return "avx512_vnni";
-    case Family::avx512_bf16:
-      return "avx512_bf16";
-    case Family::amx_int8:
-      return "amx_int8";
-    case Family::amx_bf16:
-      return "amx_bf16";
-  }
-  return "?";
-}
+const char* family_name(Family f) { return kFamilyRows[index_of(f)].name; }
 
-Isa family_level(Family f) {
-  switch (f) {
-    case Family::avx512_vnni:
-      return Isa::avx512_vnni;
-    case Family::avx512_bf16:
-      return Isa::avx512_bf16;
-    case Family::amx_int8:
-    case Family::amx_bf16:
-      return Isa::amx;
-  }
-  return Isa::amx;
-}
+Isa family_level(Family f) { return kFamilyRows[index_of(f)].level; }
 
 const FamilySupport& family_support(Family f) { return detected().families[index_of(f)]; }
 
