@@ -25,16 +25,11 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
     // validated, which needs q's dtype to be k's (queries scaled in f32 are
     // not, score_scale.hpp).
     const AttentionOptions window = split.window_options(options);
-    bool finite = true;
-    for (std::int64_t c = 0; c < std::min(split.dilation, problem.nq); ++c) {
-      const auto rows = [&](auto t, int dim) {
-        return detail::every_nth(t, dim, c, split.dilation);
-      };
+    return split.for_each_class(problem.nq, [&](const auto& rows) {
       const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
-      finite &= run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
-                         {rows(outputs.out, 1), rows(outputs.lse, 2), {}}, window, nullptr);
-    }
-    return finite;
+      return run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
+                      {rows(outputs.out, 1), rows(outputs.lse, 2), {}}, window, nullptr);
+    });
   }
   // Without inlined callables, tile hooks that call the std::function
   // options (element by element, through std::function).

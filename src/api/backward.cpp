@@ -31,20 +31,15 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
     // validated, which needs q's dtype to be k's (queries scaled in f32 are
     // not, score_scale.hpp).
     const AttentionOptions window = split.window_options(o);
-    bool finite = true;
-    for (std::int64_t c = 0; c < std::min(split.dilation, p.nq); ++c) {
-      const auto rows = [&](auto t, int dim) {
-        return detail::every_nth(t, dim, c, split.dilation);
-      };
+    return split.for_each_class(p.nq, [&](const auto& rows) {
       const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
       GradientOutputs gc = grads;
       gc.dq = rows(grads.dq, 1);
       gc.dk = rows(grads.dk, 1);
       gc.dv = rows(grads.dv, 1);
-      finite &= run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc,
-                         rows(out, 1), rows(dout, 1), rows(lse, 2), gc, window);
-    }
-    return finite;
+      return run_fast(detail::check_attention_inputs(qc, kc, vc, window), qc, kc, vc, rows(out, 1),
+                      rows(dout, 1), rows(lse, 2), gc, window);
+    });
   }
   // mask_mod through std::function, one call per element of partial tiles.
   const detail::FlexCallables<ScoreMod, MaskMod> functions{o.score_mod, o.mask_mod};

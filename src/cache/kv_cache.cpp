@@ -298,6 +298,19 @@ void check_quantizable(const char* name, ConstTensorView t, KvStorage storage, c
   }
 }
 
+// The last checks of an append, on the values (r holds no reason yet):
+// throws with every reason, or writes the rows.
+void check_and_write(Pool& pool, ConstTensorView k, ConstTensorView v, const Counts& counts,
+                     const RopeConfig* rope, Reasons& r) {
+  check_quantizable("k_new", k, pool.key_storage, counts, rope != nullptr, pool.hadamard, r,
+                    pool.tail_dim);
+  if (!pool.values_in_keys) {
+    check_quantizable("v_new", v, pool.value_storage, counts, false, pool.hadamard, r);
+  }
+  throw_if(r);
+  write(pool, k, v, counts, rope);
+}
+
 // A storage's name for a message, or its value when it is no row.
 std::string stored_as(KvStorage storage) {
   return is_storage(storage) ? std::string(storage_name(storage))
@@ -644,15 +657,8 @@ void KvCache::append(ConstTensorView k_new, ConstTensorView v_new,
   Pool pool = pool_();
   const Counts rows{.counts = counts, .rows = n};
   if (counts_ok) check_room("append", pool, rows, r);
-  if (r.empty()) {
-    check_quantizable("k_new", k_new, pool.key_storage, rows, rope != nullptr, pool.hadamard, r,
-                      pool.tail_dim);
-    if (!pool.values_in_keys) {
-      check_quantizable("v_new", v_new, pool.value_storage, rows, false, pool.hadamard, r);
-    }
-  }
+  if (r.empty()) check_and_write(pool, k_new, v_new, rows, rope, r);
   throw_if(r);
-  write(pool, k_new, v_new, rows, rope);
 }
 
 void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v_new,
@@ -676,13 +682,7 @@ void KvCache::append_to(std::int64_t b, ConstTensorView k_new, ConstTensorView v
           ? ConstTensorView{}
           : ConstTensorView(v_new.data(), v_new.dtype(), {batch, n, hkv, value_dim()},
                             {0, v_new.stride(0), v_new.stride(1), v_new.stride(2)});
-  check_quantizable("k_new", k4, pool.key_storage, rows, rope != nullptr, pool.hadamard, r,
-                    pool.tail_dim);
-  if (!pool.values_in_keys) {
-    check_quantizable("v_new", v4, pool.value_storage, rows, false, pool.hadamard, r);
-  }
-  throw_if(r);
-  write(pool, k4, v4, rows, rope);
+  check_and_write(pool, k4, v4, rows, rope, r);
 }
 
 void KvCache::release(std::int64_t b) {

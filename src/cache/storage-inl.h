@@ -42,15 +42,13 @@
 #include <cstring>
 
 #include "cache/formats.hpp"
+#include "core/hwy_namespace.hpp"
 #include "core/rows.hpp"
 #include "hwy/highway.h"
 #include "qkv/dtype.hpp"
 #include "qkv/kv_storage.hpp"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cache {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cache);
 
 template <class Stored>
 struct StorageTraits;
@@ -72,16 +70,28 @@ struct StorageTraits<float> {
   static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) { return row[i]; }
 };
 
-// bf16: the 16 bits are the upper half of the f32, so widening is a shift.
-template <>
-struct StorageTraits<hwy::bfloat16_t> {
-  using Stored = hwy::bfloat16_t;
+// A 16-bit float format `Half` (qkv::bf16, qkv::f16) stored as Highway's
+// type `Stored`: writing rounds to it, one element is read by its bits;
+// each specialization below widens vectors its own way.
+template <class StoredHalf, class Half>
+struct HalfStorage {
+  using Stored = StoredHalf;
   static constexpr std::int64_t kBlock = 1;
 
   template <class S>
   static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
-    detail::copy_row<S, bf16>(src, stride, dst, n);
+    detail::copy_row<S, Half>(src, stride, dst, n);
   }
+  static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, row + i, sizeof bits);
+    return to_float(Half{bits});
+  }
+};
+
+// bf16: the 16 bits are the upper half of the f32, so widening is a shift.
+template <>
+struct StorageTraits<hwy::bfloat16_t> : HalfStorage<hwy::bfloat16_t, bf16> {
   template <class D>
   static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
     const hn::Rebind<std::uint16_t, D> du16;
@@ -90,32 +100,15 @@ struct StorageTraits<hwy::bfloat16_t> {
         hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(row + i)));
     return hn::BitCast(d, hn::ShiftLeft<16>(bits));
   }
-  static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
-    std::uint16_t bits;
-    std::memcpy(&bits, row + i, sizeof bits);
-    return to_float(bf16{bits});
-  }
 };
 
 // f16: widened by the target's conversion (F16C on x86).
 template <>
-struct StorageTraits<hwy::float16_t> {
-  using Stored = hwy::float16_t;
-  static constexpr std::int64_t kBlock = 1;
-
-  template <class S>
-  static void Write(const void* src, std::int64_t stride, void* dst, std::int64_t n) {
-    detail::copy_row<S, f16>(src, stride, dst, n);
-  }
+struct StorageTraits<hwy::float16_t> : HalfStorage<hwy::float16_t, f16> {
   template <class D>
   static HWY_INLINE hn::Vec<D> Load(D d, const Stored* HWY_RESTRICT row, std::int64_t i) {
     const hn::Rebind<hwy::float16_t, D> df16;
     return hn::PromoteTo(d, hn::LoadU(df16, row + i));
-  }
-  static HWY_INLINE float LoadOne(const Stored* row, std::int64_t i) {
-    std::uint16_t bits;
-    std::memcpy(&bits, row + i, sizeof bits);
-    return to_float(f16{bits});
   }
 };
 
@@ -219,8 +212,6 @@ decltype(auto) WithStorage(KvStorage storage, F&& f) {
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cache
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cache);
 
 #endif  // QKV_CACHE_STORAGE_INL_H_

@@ -188,20 +188,16 @@ Coverage coverage_of(const SparseNode& n, const PatternTile& t) {
           t.i0 >= 0 && t.j0 >= 0 && (t.i0 + t.rows - 1) / bs < L.q_blocks && j1 / bs < L.k_blocks;
       return inside && set == (a1 - a0 + 1) * (b1 - b0 + 1) ? Coverage::all : Coverage::some;
     }
-    case Kind::any: {
-      Coverage result = Coverage::none;
-      for (const auto& child : n.children) {
-        const Coverage c = coverage_of(*child, t);
-        if (c == Coverage::all) return Coverage::all;
-        if (c == Coverage::some) result = Coverage::some;
-      }
-      return result;
-    }
+    case Kind::any:
     case Kind::all: {
-      Coverage result = Coverage::all;
+      // A union is covered by one covering child, an intersection emptied
+      // by one empty child; otherwise a child covering some makes it some.
+      const bool any = n.kind == Kind::any;
+      const Coverage decides = any ? Coverage::all : Coverage::none;
+      Coverage result = any ? Coverage::none : Coverage::all;
       for (const auto& child : n.children) {
         const Coverage c = coverage_of(*child, t);
-        if (c == Coverage::none) return Coverage::none;
+        if (c == decides) return decides;
         if (c == Coverage::some) result = Coverage::some;
       }
       return result;

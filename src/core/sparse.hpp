@@ -3,6 +3,7 @@
 // element), per-tile element masks, and the checks against a problem.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -75,10 +76,29 @@ struct DilatedSplit {
     options.window_right = right;
     return options;
   }
+
+  // Calls run(rows) for each class c of a problem with nq query rows, where
+  // rows(t, dim) views rows c, c + dilation, ... of t's dimension `dim`;
+  // returns whether every call returned true.
+  template <class Run>
+  bool for_each_class(std::int64_t nq, Run&& run) const;
 };
 DilatedSplit dilated_split(const AttentionProblem& problem, const AttentionOptions& options);
 
 // Rows start, start + step, ... of dimension `dim` of t (no copy).
+template <bool Const>
+BasicTensorView<Const> every_nth(const BasicTensorView<Const>& t, int dim, std::int64_t start,
+                                 std::int64_t step);
+
+template <class Run>
+bool DilatedSplit::for_each_class(std::int64_t nq, Run&& run) const {
+  bool all = true;
+  for (std::int64_t c = 0; c < std::min(dilation, nq); ++c) {
+    all &= run([&](auto t, int dim) { return every_nth(t, dim, c, dilation); });
+  }
+  return all;
+}
+
 template <bool Const>
 BasicTensorView<Const> every_nth(const BasicTensorView<Const>& t, int dim, std::int64_t start,
                                  std::int64_t step) {

@@ -27,6 +27,7 @@
 
 #include "cache/storage-inl.h"
 #include "core/hadamard.hpp"
+#include "core/hwy_namespace.hpp"
 #include "core/isa.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
@@ -41,12 +42,8 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
-constexpr float kDecodeNegInf = -std::numeric_limits<float>::infinity();
 // Keys per block: their scores for up to 64 rows stay in L1.
 constexpr std::int64_t kDecodeBlock = 32;
 // Tokens per step of the value pass. Its tiles read one line per token at
@@ -374,14 +371,14 @@ inline void BlockModifyAndMask(const DecodePlan& plan, const ItemShape& sh, std:
       const std::int64_t j = j0 + c;
       float& x = s[c * sh.rows_pad + r];
       x = ModifyScore(x, o.softcap, alibi, slopes[static_cast<std::size_t>(h)], pos, j);
-      if (j < range.lo || j >= range.hi) x = kDecodeNegInf;
+      if (j < range.lo || j >= range.hi) x = kNegInf;
     }
     if (o.sparse.defined()) {
       const detail::PatternTile tile{h, t, 1, pos, j0, cols};
       if (detail::coverage(o.sparse, tile) != detail::Coverage::all) {
         detail::fill_admitted(o.sparse, tile, keep);
         for (std::int64_t c = 0; c < cols; ++c) {
-          if (keep[c] == 0) s[c * sh.rows_pad + r] = kDecodeNegInf;
+          if (keep[c] == 0) s[c * sh.rows_pad + r] = kNegInf;
         }
       }
     }
@@ -511,7 +508,7 @@ void DecodeItemRun(DecodePlan& plan, const DecodeItem& item, const float* HWY_RE
   float* l = sc.l.get();
   float* alpha = sc.alpha.get();
   std::fill_n(o_acc, sh.rows * sh.dv_pad, 0.0f);
-  std::fill_n(m, sh.rows_pad, kDecodeNegInf);
+  std::fill_n(m, sh.rows_pad, kNegInf);
   std::fill_n(l, sh.rows_pad, 0.0f);
 
   std::vector<float> slopes(static_cast<std::size_t>(plan.hq), 0.0f);
@@ -728,8 +725,6 @@ inline void DecodeImpl(DecodePlan& plan) {
   DecodeMerge(plan);
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_DECODE_INL_H_

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <string_view>
@@ -67,12 +68,7 @@ class DictParser {
       expect(':');
       on_entry(key, value());
       skip_space();
-      if (peek() == ',') {
-        ++at_;
-        skip_space();
-      } else if (peek() != '}') {
-        fail("expected ',' or '}'");
-      }
+      next_item('}', "expected ',' or '}'");
     }
     ++at_;
     skip_space();
@@ -87,6 +83,16 @@ class DictParser {
   char peek() const { return at_ < s_.size() ? s_[at_] : '\0'; }
   void skip_space() {
     while (at_ < s_.size() && (s_[at_] == ' ' || s_[at_] == '\t')) ++at_;
+  }
+  // After an item of a list that `close` ends: a ',' (skipped, with the
+  // spaces after it), or else `close` must come next.
+  void next_item(char close, const char* message) {
+    if (peek() == ',') {
+      ++at_;
+      skip_space();
+    } else if (peek() != close) {
+      fail(message);
+    }
   }
   void expect(char c) {
     skip_space();
@@ -139,12 +145,7 @@ class DictParser {
           fail("expected a shape of rank at most " + std::to_string(kMaxRank));
         }
         dims.push_back(integer());
-        if (peek() == ',') {
-          ++at_;
-          skip_space();
-        } else if (peek() != ')') {
-          fail("expected ',' or ')' in the shape");
-        }
+        next_item(')', "expected ',' or ')' in the shape");
       }
       ++at_;
       v.tuple = std::move(dims);
@@ -319,18 +320,11 @@ Tensor read_npy(const Source& src, const std::string& name) {
 }
 
 std::string descr_of(DType d) {
-  switch (d) {
-    case DType::f32:
-      return "<f4";
-    case DType::f64:
-      return "<f8";
-    case DType::f16:
-      return "<f2";
-    case DType::bf16:
-      return "<V2";
-    case DType::boolean:
-      return "|b1";
-  }
+  // In DType's order (bf16 as two opaque bytes).
+  constexpr const char* kDescr[] = {"<f4", "<f8", "<f2", "<V2", "|b1"};
+  static_assert(std::size(kDescr) == static_cast<std::size_t>(DType::boolean) + 1);
+  const auto i = static_cast<std::size_t>(d);
+  if (i < std::size(kDescr)) return kDescr[i];
   throw Error("npy: no .npy dtype for " + std::string(dtype_name(d)));
 }
 

@@ -30,9 +30,9 @@ T max_of(T a, T b) {
   return b > a ? b : a;
 }
 
-// Sum and maximum of one contiguous row, in the fixed lane order.
-template <class T>
-void row_sum_max(const T* a, std::int64_t n, T& sum, T& max) {
+// Sum and maximum of value(i) for i < n, in the fixed lane order.
+template <class T, class Value>
+void sum_max(std::int64_t n, Value value, T& sum, T& max) {
   T s[kLanes] = {};
   T m[kLanes];
   std::fill(m, m + kLanes, -std::numeric_limits<T>::infinity());
@@ -40,17 +40,26 @@ void row_sum_max(const T* a, std::int64_t n, T& sum, T& max) {
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
     for (int l = 0; l < kLanes; ++l) {
-      s[l] += a[i + l];
-      m[l] = max_of(m[l], a[i + l]);
+      const T v = value(i + l);
+      s[l] += v;
+      m[l] = max_of(m[l], v);
     }
   }
   for (int l = 0; i + l < n; ++l) {
-    s[l] += a[i + l];
-    m[l] = max_of(m[l], a[i + l]);
+    const T v = value(i + l);
+    s[l] += v;
+    m[l] = max_of(m[l], v);
   }
   for (int l = 1; l < kLanes; ++l) m[0] = max_of(m[0], m[l]);
   sum = detail::combine_lanes(s);
   max = m[0];
+}
+
+// Sum and maximum of one contiguous row.
+template <class T>
+void row_sum_max(const T* a, std::int64_t n, T& sum, T& max) {
+  sum_max(
+      n, [a](std::int64_t i) { return a[i]; }, sum, max);
 }
 
 // Channel pooling: pooled [B, 2, C] holds each image's means over pixels,
@@ -135,26 +144,10 @@ void spatial_pool(const FeatureMap& g, const T* x, const T* s, T* mean, T* max) 
     } else {
       for (std::int64_t j = 0; j < n; ++j) {
         const T* row = x + (b * P + p0 + j) * C;
-        T acc[kLanes] = {};
-        T top[kLanes];
-        std::fill(top, top + kLanes, -std::numeric_limits<T>::infinity());
-        std::int64_t c = 0;
-        for (; c + kLanes <= C; c += kLanes) {
-#pragma omp simd
-          for (int l = 0; l < kLanes; ++l) {
-            const T v = row[c + l] * sb[c + l];
-            acc[l] += v;
-            top[l] = max_of(top[l], v);
-          }
-        }
-        for (int l = 0; c + l < C; ++l) {
-          const T v = row[c + l] * sb[c + l];
-          acc[l] += v;
-          top[l] = max_of(top[l], v);
-        }
-        for (int l = 1; l < kLanes; ++l) top[0] = max_of(top[0], top[l]);
-        mean_b[j] = detail::combine_lanes(acc) / static_cast<T>(C);
-        max_b[j] = top[0];
+        T sum;
+        sum_max(
+            C, [row, sb](std::int64_t c) { return row[c] * sb[c]; }, sum, max_b[j]);
+        mean_b[j] = sum / static_cast<T>(C);
       }
     }
   }
@@ -684,15 +677,8 @@ Tensor Cbam::forward(ConstTensorView x, ImageLayout layout) const {
   if (r.size() == before) check_running_var(*this, eps_, r);
   detail::throw_if(r);
 
-  const DType ct = detail::compute_dtype(x.dtype());
-  const detail::Dense xs = detail::dense(x, ct);
-  Tensor y(ct, x.size_span());
-  if (ct == DType::f64) {
-    cbam_forward(*this, eps_, g, static_cast<const double*>(xs.data), y.data<double>());
-  } else {
-    cbam_forward(*this, eps_, g, static_cast<const float*>(xs.data), y.data<float>());
-  }
-  return detail::in_dtype(std::move(y), x.dtype());
+  return detail::in_compute_dtype(
+      x, {}, [&](const auto* xs, const auto*, auto* y) { cbam_forward(*this, eps_, g, xs, y); });
 }
 
 Tensor Cbam::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout) {
@@ -714,17 +700,9 @@ Tensor Cbam::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout)
 
   // Every gradient buffer first (check_grads has ruled out a dtype clash).
   for (const NamedParameter& p : learned) detail::grad_of(*p.parameter, ct);
-  const detail::Dense xs = detail::dense(x, ct);
-  const detail::Dense dys = detail::dense(dy, ct);
-  Tensor dx(ct, x.size_span());
-  if (ct == DType::f64) {
-    cbam_backward(*this, eps_, g, static_cast<const double*>(xs.data),
-                  static_cast<const double*>(dys.data), dx.data<double>());
-  } else {
-    cbam_backward(*this, eps_, g, static_cast<const float*>(xs.data),
-                  static_cast<const float*>(dys.data), dx.data<float>());
-  }
-  return detail::in_dtype(std::move(dx), x.dtype());
+  return detail::in_compute_dtype(x, dy, [&](const auto* xs, const auto* dys, auto* dx) {
+    cbam_backward(*this, eps_, g, xs, dys, dx);
+  });
 }
 
 NamedParameters Cbam::named_parameters(std::string_view prefix) {

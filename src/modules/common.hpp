@@ -67,6 +67,27 @@ bool check_input(const char* name, ConstTensorView x, int rank, const char* layo
 // converted copy: a module's result in its input's dtype.
 Tensor in_dtype(Tensor t, DType dtype);
 
+// A module's pass in x's compute dtype: calls f(x, dy, out) with contiguous
+// `const T*` x and dy (null when dy is undefined) and `T*` out shaped like
+// x, T double for f64 inputs and float for the others; returns out in x's
+// dtype.
+template <class F>
+Tensor in_compute_dtype(ConstTensorView x, ConstTensorView dy, F&& f) {
+  const DType ct = compute_dtype(x.dtype());
+  const Dense xs = dense(x, ct);
+  const Dense dys = dy.defined() ? dense(dy, ct) : Dense{};
+  Tensor out(ct, x.size_span());
+  const auto run = [&]<class T>(T* o) {
+    f(static_cast<const T*>(xs.data), static_cast<const T*>(dys.data), o);
+  };
+  if (ct == DType::f64) {
+    run(out.data<double>());
+  } else {
+    run(out.data<float>());
+  }
+  return in_dtype(std::move(out), x.dtype());
+}
+
 // Appends a reason unless p's value has exactly `sizes` and a floating dtype,
 // and its gradient, if any, the same sizes (parameters are public members: a
 // caller may have replaced one). Returns whether p may be used.

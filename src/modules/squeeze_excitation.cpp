@@ -233,15 +233,8 @@ Tensor SqueezeExcitation::forward(ConstTensorView x, ImageLayout layout) const {
   check_se_parameters(*this, r);
   detail::throw_if(r);
 
-  const DType ct = detail::compute_dtype(x.dtype());
-  const detail::Dense xs = detail::dense(x, ct);
-  Tensor y(ct, x.size_span());
-  if (ct == DType::f64) {
-    se_forward(*this, g, static_cast<const double*>(xs.data), y.data<double>());
-  } else {
-    se_forward(*this, g, static_cast<const float*>(xs.data), y.data<float>());
-  }
-  return detail::in_dtype(std::move(y), x.dtype());
+  return detail::in_compute_dtype(
+      x, {}, [&](const auto* xs, const auto*, auto* y) { se_forward(*this, g, xs, y); });
 }
 
 Tensor SqueezeExcitation::backward(ConstTensorView x, ConstTensorView dy, ImageLayout layout) {
@@ -253,17 +246,9 @@ Tensor SqueezeExcitation::backward(ConstTensorView x, ConstTensorView dy, ImageL
   if (x.defined()) detail::check_grads(named_parameters(), ct, r);
   detail::throw_if(r);
 
-  const detail::Dense xs = detail::dense(x, ct);
-  const detail::Dense dys = detail::dense(dy, ct);
-  Tensor dx(ct, x.size_span());
-  if (ct == DType::f64) {
-    se_backward(*this, g, static_cast<const double*>(xs.data), static_cast<const double*>(dys.data),
-                dx.data<double>());
-  } else {
-    se_backward(*this, g, static_cast<const float*>(xs.data), static_cast<const float*>(dys.data),
-                dx.data<float>());
-  }
-  return detail::in_dtype(std::move(dx), x.dtype());
+  return detail::in_compute_dtype(x, dy, [&](const auto* xs, const auto* dys, auto* dx) {
+    se_backward(*this, g, xs, dys, dx);
+  });
 }
 
 NamedParameters SqueezeExcitation::named_parameters(std::string_view prefix) {
