@@ -9,13 +9,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/hwy_namespace.hpp"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // One query row against `keys` keys (rows c * ld of uk and duk), for each
 // key c with ds[c] != 0:
@@ -63,9 +61,7 @@ void ScoreRow(const float* HWY_RESTRICT uq, const float* HWY_RESTRICT uk, std::i
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #if HWY_ONCE
 

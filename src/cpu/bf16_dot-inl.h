@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/row_sums-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/highway.h"
@@ -35,10 +36,7 @@
 #include <immintrin.h>
 #endif
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Values per chunk: one vector of bf16, the columns of two f32 accumulators.
 constexpr std::int64_t kBf16Chunk = 32;
@@ -175,8 +173,6 @@ void ValueTileBf16(const std::uint32_t*, std::int64_t, const std::uint16_t* cons
                    std::int64_t, float*, std::int64_t);
 #endif
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_BF16_DOT_INL_H_

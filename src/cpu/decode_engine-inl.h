@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cache/view.hpp"
+#include "core/hwy_namespace.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/engines/bf16_product.hpp"
 #include "cpu/engines/select.hpp"
@@ -42,10 +43,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Query rows per KV head from which a call takes the engine: below, the
 // per-row tiles of decode-inl.h (one new token against GQA 4) read the
@@ -182,8 +180,6 @@ void HeadValuesEngine(engines::Bf16Engine engine, const Shape& sh, std::int64_t 
                                  .accumulate = true});
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_DECODE_ENGINE_INL_H_

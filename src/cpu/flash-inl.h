@@ -19,6 +19,7 @@
 
 #include "core/elements.hpp"
 #include "core/gemm.hpp"
+#include "core/hwy_namespace.hpp"
 #include "core/philox.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "core/sparse.hpp"
@@ -32,10 +33,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Rows fetched ahead when packing rows of a [B, N, H, D] tensor.
 constexpr std::int64_t kRowsAhead = 8;
@@ -865,8 +863,6 @@ bool ForEachTask(const FlashPlan& plan, UnitFn unit_fn) {
 inline bool FlashForwardImpl(const FlashPlan& plan) { return ForEachTask(plan, ForwardUnit); }
 inline void FlashProbabilitiesImpl(const FlashPlan& plan) { ForEachTask(plan, ProbabilitiesUnit); }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_FLASH_INL_H_

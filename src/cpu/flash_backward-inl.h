@@ -23,14 +23,12 @@
 #include <optional>
 #include <vector>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/flash-inl.h"
 #include "cpu/flash_backward_engine-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Per-thread budget for a task's packed query tiles (TileCache).
 constexpr std::int64_t kTileCacheBytes = std::int64_t{16} << 20;
@@ -508,8 +506,6 @@ inline bool FlashBackwardReduceDq(const BackwardPlan& bp) {
   return finite.load();
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_FLASH_BACKWARD_INL_H_

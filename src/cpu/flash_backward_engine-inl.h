@@ -20,14 +20,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/engines/bf16_product.hpp"
 #include "cpu/flash_engine-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // A query tile's bf16 operands (the header's B operands).
 struct EngineTile {
@@ -173,8 +171,6 @@ inline void EngineGradients(engines::Bf16Engine engine, EngineBackwardBuffers& e
                                  dk_pad, rows, dk_pad, depth, false});
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_FLASH_BACKWARD_ENGINE_INL_H_

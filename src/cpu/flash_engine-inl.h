@@ -36,6 +36,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/engines/bf16_product.hpp"
 #include "cpu/engines/int8_product.hpp"
 #include "cpu/flash.hpp"
@@ -45,10 +46,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 using Bf16Buffer = hwy::AlignedFreeUniquePtr<std::uint16_t[]>;
 inline Bf16Buffer AllocBf16(std::int64_t n) {
@@ -420,8 +418,6 @@ inline void EngineBlockValues(const FlashPlan& plan, const float* HWY_RESTRICT p
                                        depth, !overwrite});
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_FLASH_ENGINE_INL_H_

@@ -24,16 +24,14 @@
 #include <optional>
 #include <vector>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/linear.hpp"
 #include "cpu/tile_gemm-inl.h"
 #include "cpu/vec_math-inl.h"
 #include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Positions per split of the non-causal sums over all keys (or queries):
 // their number follows the sequence length only, so the order in which the
@@ -557,8 +555,6 @@ inline void LinearForwardImpl(const LinearPlan& plan) {
   });
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_LINEAR_INL_H_

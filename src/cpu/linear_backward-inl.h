@@ -22,13 +22,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/hwy_namespace.hpp"
 #include "cpu/linear-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // dphi/dx times g: 1 for x > 0, else e^x (elu + 1) or 0 (relu).
 template <class D, class V = hn::Vec<D>>
@@ -296,8 +294,6 @@ inline void LinearBackwardImpl(const LinearPlan& plan, ConstTensorView dout,
   });
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_LINEAR_BACKWARD_INL_H_

@@ -11,12 +11,10 @@
 
 #include <cstdint>
 
+#include "core/hwy_namespace.hpp"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 template <class D>
 HWY_INLINE float Sum(D d, hn::Vec<D> v) {
@@ -101,8 +99,6 @@ HWY_INLINE void StoreScoreSums(D d, const hn::Vec<D> (&acc)[kTokens][kRows],
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_ROW_SUMS_INL_H_

@@ -29,16 +29,14 @@
 #include <limits>
 
 #include "core/elements.hpp"
+#include "core/hwy_namespace.hpp"
 #include "core/key_range.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -287,8 +285,6 @@ inline void StoreScoreGradient(const FlashPlan& plan, const Unit& u, const UnitG
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_SCORE_MODS_INL_H_

@@ -23,12 +23,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/hwy_namespace.hpp"
 #include "hwy/highway.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // Register tiles (strip rows x vectors) of the two products. 6 x 2 leaves
 // room for the two B vectors and a broadcast in AVX2's 16 registers; 3 x 4
@@ -213,8 +211,6 @@ inline void AccumulateTransposed(const float* HWY_RESTRICT a_t, std::int64_t row
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_TILE_GEMM_INL_H_

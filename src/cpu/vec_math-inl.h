@@ -15,15 +15,13 @@
 #include <limits>
 #include <utility>
 
+#include "core/hwy_namespace.hpp"
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "qkv/dtype.hpp"
 #include "qkv/tensor.hpp"
 
-HWY_BEFORE_NAMESPACE();
-namespace qkv::cpu {
-namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
+QKV_HWY_NAMESPACE_BEGIN(cpu);
 
 // e^x for x <= 88, within 2 ulp (1.24 at worst in tests/vec_math_test.cpp's
 // sweep). Below ln(2^-126) the result is exactly 0, so products with it
@@ -324,8 +322,6 @@ inline void StoreViewRow(const float* HWY_RESTRICT src, std::int64_t n, TensorVi
   }
 }
 
-}  // namespace HWY_NAMESPACE
-}  // namespace qkv::cpu
-HWY_AFTER_NAMESPACE();
+QKV_HWY_NAMESPACE_END(cpu);
 
 #endif  // QKV_CPU_VEC_MATH_INL_H_
