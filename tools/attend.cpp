@@ -148,6 +148,7 @@ Error naming_flags(const Error& e) {
       {"options.window_left", "--window L"},
       {"options.window_right", "--window R"},
       {"options.key_lengths", "--key-lengths"},
+      {"options.mask_requires_grad", "--d-mask"},
       {"options.mask", "--mask"},
       {"options.alibi_slopes", "--alibi-slopes"},
       {"options.sinks", "--sinks"},
@@ -265,8 +266,8 @@ void check_outputs(const AttendOptions& o) {
   std::set<std::string> seen;
   std::set<std::string> inputs = {o.q, o.k, o.v, o.mask, o.alibi_slopes, o.dout};
   std::vector<std::pair<std::string, std::string>> outputs = {
-      {"-o", o.out},  {"--lse", o.lse}, {"--probs", o.probs},
-      {"--dq", o.dq}, {"--dk", o.dk},   {"--dv", o.dv}};
+      {"-o", o.out},  {"--lse", o.lse}, {"--probs", o.probs},  {"--dq", o.dq},
+      {"--dk", o.dk}, {"--dv", o.dv},   {"--d-mask", o.d_mask}};
   for (const Learned& l : kLearned) {
     inputs.insert(o.*l.file);
     outputs.emplace_back(l.gradient_flag, o.*l.gradient_file);
@@ -368,8 +369,13 @@ void check_flags(const AttendOptions& o) {
   if (o.threads < 0)
     throw Error("--threads: expected a count >= 1, got " + std::to_string(o.threads));
   const bool backward = !o.dout.empty();
-  std::string gradient_flags = "--dq, --dk, --dv";
+  std::string gradient_flags = "--dq, --dk, --dv, --d-mask";
   bool any = !o.dq.empty() || !o.dk.empty() || !o.dv.empty();
+  if (!o.d_mask.empty()) {
+    any = true;
+    if (!backward) throw Error("--d-mask: expected --backward DOUT with it");
+    if (o.mask.empty()) throw Error("--d-mask: expected --mask FILE with it");
+  }
   for (const Learned& l : kLearned) {
     gradient_flags += std::string(", ") + l.gradient_flag;
     if ((o.*l.gradient_file).empty()) continue;
@@ -420,7 +426,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     const auto start = std::chrono::steady_clock::now();
     attention_into(qv, kv, vv, {as_bnhd(result.view(), o.layout), lse.view(), probs.view()},
                    plan.options);
-    Tensor dout, dq, dk, dvt;
+    Tensor dout, dq, dk, dvt, d_mask;
     std::array<Tensor, kLearnedCount> learned;  // the parameters' gradients
     if (!o.dout.empty()) {
       dout = load_npy(o.dout);
@@ -436,9 +442,15 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
         learned[i] = Tensor(stat, {hq});
         grads.*kLearned[i].gradient = learned[i].view();
       }
+      AttentionOptions backward = plan.options;
+      if (!o.d_mask.empty()) {
+        backward.mask_requires_grad = true;
+        d_mask = Tensor(stat, plan.mask.view().size_span());
+        grads.d_mask = d_mask.view();
+      }
       attention_backward_into(qv, kv, vv, as_bnhd(result.view(), o.layout),
                               as_bnhd(dout, o.layout, "dout (" + o.dout + ")"), lse, grads,
-                              plan.options);
+                              backward);
     }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -451,6 +463,7 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dq.empty()) written.emplace_back(o.dq, &dq);
     if (!o.dk.empty()) written.emplace_back(o.dk, &dk);
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
+    if (!o.d_mask.empty()) written.emplace_back(o.d_mask, &d_mask);
     for (std::size_t i = 0; i < kLearnedCount; ++i) {
       if (!(o.*kLearned[i].gradient_file).empty()) {
         written.emplace_back(o.*kLearned[i].gradient_file, &learned[i]);

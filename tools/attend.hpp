@@ -38,6 +38,7 @@ struct AttendOptions {
   std::string dq, dk, dv;              // --backward: gradient files (each optional)
   std::string d_sinks;                 // --backward with --sinks: dLoss/dsinks [Hq]
   std::string d_score_scale;           // --backward with --score-scale: dLoss/dscore_scale [Hq]
+  std::string d_mask;                  // --backward with a float --mask: dLoss/dmask, its shape
   bool json = false;                   // a JSON summary on stdout instead of the line on stderr
 };
 

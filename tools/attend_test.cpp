@@ -235,6 +235,27 @@ TEST_F(Attend, LearnedParametersAndTheirGradients) {
   }
 }
 
+// A float mask's gradient, broadcast over the batch and heads, bit for bit
+// the library's.
+TEST_F(Attend, FloatMaskGradient) {
+  const Tensor mask = random_tensor({6, 9}, 8);
+  save_npy(path("mask.npy"), mask);
+  const Tensor dout = random_tensor({2, 6, 4, 8}, 9);
+  save_npy(path("dout.npy"), dout);
+  AttentionOptions o;
+  o.mask = mask;
+  o.return_lse = true;
+  const AttentionResult fwd = attention(q_, k_, v_, o);
+  o.mask_requires_grad = true;
+  const AttentionGradients g = attention_backward(q_, k_, v_, fwd.out, dout, fwd.lse, o);
+  ASSERT_EQ(run("-o out.npy --mask mask.npy --backward dout.npy --dq dq.npy --d-mask dm.npy"), 0)
+      << err_;
+  EXPECT_TRUE(same_bits(load_npy(path("dq.npy")), g.dq));
+  const Tensor d_mask = load_npy(path("dm.npy"));
+  ASSERT_EQ(d_mask.rank(), 2);
+  EXPECT_TRUE(same_bits(d_mask, g.d_mask));
+}
+
 // NaN and infinities in the inputs are computed as docs/semantics.md
 // defines them, and one line on stderr names each input that holds any; a
 // float mask's -inf drops a key, as meant, and is not noted.
@@ -309,6 +330,8 @@ TEST_F(Attend, ErrorsAreOneLineAndLeaveNoFile) {
       {"-o out.npy --backward k.npy --d-score-scale dq.npy",
        "--d-score-scale: expected --score-scale FILE"},
       {"-o out.npy --score-scale two.npy", "--score-scale: expected Hq = 4 scales, got 2"},
+      {"-o out.npy --d-mask dm.npy", "--d-mask: expected --backward DOUT"},
+      {"-o out.npy --backward k.npy --d-mask dq.npy", "--d-mask: expected --mask FILE"},
       {"-o out.npy --score-scale-log-n", "--score-scale-log-n: scales score_scale, which is empty"},
       {"-o out.npy --lse out.npy", "is also another output"},
       {"-o q.npy", "is also an input"},

@@ -177,6 +177,9 @@ int main(int argc, char** argv) {
   attend->add_option("--d-score-scale", attend_options.d_score_scale,
                      "Write dLoss/dscore_scale [Hq] (with --backward\n"
                      "and --score-scale)");
+  attend->add_option("--d-mask", attend_options.d_mask,
+                     "Write dLoss/dmask, shaped like the mask (with\n"
+                     "--backward and a float --mask)");
   attend->add_flag("--json", attend_options.json, "A JSON summary on stdout");
 
   CLI::App* info =
