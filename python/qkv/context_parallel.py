@@ -217,7 +217,8 @@ def _ring_forward(q, k, v, o, group, layout):
 
 def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
     """(dq, dk, dv) of this rank's shards and {gradient: this rank's share}
-    of the parameters that the steps' accumulators give (score_scale's)."""
+    of the parameters that the steps' accumulators give (the maps of the
+    queries')."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=_real(q))
     grads = None  # the arriving block's key/value gradients so far, with its receive
@@ -240,10 +241,9 @@ def _ring_backward(q, k, v, out, dout, lse, o, group, layout):
         _wait(grads[1])
         dk, dv = _unbytes(grads[0], dk, dv)
         _wait(request for request, _ in pending)
-    shares = {}
-    if o.score_scale is not None:  # the steps accumulated the scaled queries' gradient
-        shares["d_score_scale"] = torch.from_dlpack(_api._run(
-            _qkv.shard_score_scale_gradients, *_native(q, k, v, dq), o, layout, rank, ranks))
+    # With maps of the queries the steps accumulated the mapped queries' gradient.
+    shares = {name: torch.from_dlpack(share) for name, share in _api._run(
+        _qkv.shard_query_map_gradients, *_native(q, k, v, dq), o, layout, rank, ranks).items()}
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), shares
 
 

@@ -8,7 +8,7 @@
 //   ring_add_sinks      the sinks, once, after the last step
 //   ring_backward_step  one step's gradients, added into accumulators
 //   shard_sink_gradients  this rank's rows' part of d_sinks
-//   shard_score_scale_gradients  dq' to dq, and this rank's part of d_score_scale
+//   shard_query_map_gradients  dq' to dq, and this rank's part of the maps' gradients
 //   heads_attention(_backward)  an all-to-all rank's heads over the whole sequence
 //
 // Every function takes the arguments of the whole call (the options of the
@@ -33,6 +33,7 @@
 #include "api/validate.hpp"
 #include "arrays.hpp"
 #include "core/parameters.hpp"
+#include "core/query_maps.hpp"
 #include "dist/pieces.hpp"
 #include "gradients.hpp"
 #include "options.hpp"
@@ -208,25 +209,24 @@ Array shard_sink_gradients(const In& q, const In& k, const In& v, const In& out,
   return owning_array(std::move(d));
 }
 
-Array shard_score_scale_gradients(const In& q, const In& k, const In& v, const Out& dq,
-                                  const Options& options, const std::string& layout, int rank,
-                                  int ranks) {
+nb::dict shard_query_map_gradients(const In& q, const In& k, const In& v, const Out& dq,
+                                   const Options& options, const std::string& layout, int rank,
+                                   int ranks) {
   check_ranks(rank, ranks);
   const AttentionOptions& o = options.to_cpp();
-  if (o.score_scale.empty()) throw Error("options.score_scale: expected [Hq] scales, got none");
   const ConstTensorView qv = view_of(q, "q");
   const Setup s = dist::detail::setup_of(qv, view_of(k, "k"), view_of(v, "v"), o,
                                          spec_of("ring_attention_backward", layout), rank, ranks);
   const DType real = working_type(s);
   const TensorView acc = accumulator(dq, "dq", real, {s.batch, s.nq, s.hq, s.dk});
-  Tensor share;
+  AttentionGradients shares;
   {
     nb::gil_scoped_release release;
-    share = real == DType::f64
-                ? dist::detail::finish_score_scale<double>(s, o, qv, data_of<double>(acc))
-                : dist::detail::finish_score_scale<float>(s, o, qv, data_of<float>(acc));
+    shares = real == DType::f64
+                 ? dist::detail::finish_query_maps<double>(s, o, qv, data_of<double>(acc))
+                 : dist::detail::finish_query_maps<float>(s, o, qv, data_of<float>(acc));
   }
-  return owning_array(std::move(share));
+  return parameter_arrays(shares);
 }
 
 // The geometry head_options reads: Hq of the whole problem, this rank of
@@ -245,14 +245,13 @@ Setup heads_of(ConstTensorView q, const AttentionOptions& o, int rank, int ranks
     throw Error("options.sinks: expected Hq = " + std::to_string(hq) + " logits (the heads of " +
                 "all ranks), got " + std::to_string(o.sinks.size()));
   }
-  if (!o.score_scale.empty() && o.score_scale.size() != hq) {
-    throw Error("options.score_scale: expected Hq = " + std::to_string(hq) +
-                " scales (the heads of all ranks), got " + std::to_string(o.score_scale.size()));
-  }
   if (!o.alibi_slopes.empty() && (hq == 0 || o.alibi_slopes.size() % hq != 0)) {
     throw Error("options.alibi_slopes: expected a multiple of Hq = " + std::to_string(hq) +
                 " slopes, got " + std::to_string(o.alibi_slopes.size()));
   }
+  qkv::detail::Reasons reasons;  // the maps of the queries, for the heads of all ranks
+  qkv::detail::check_query_maps(o, s.hq, reasons);
+  qkv::detail::throw_if(reasons);
   return s;
 }
 
@@ -316,11 +315,12 @@ void bind_shards(nb::module_& m) {
   m.def("shard_sink_gradients", &shard_sink_gradients, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a,
         "lse"_a, "options"_a, "layout"_a, "rank"_a, "ranks"_a,
         "This rank's rows' part of d_sinks [Hq]; the whole problem's is the sum over the ranks.");
-  m.def("shard_score_scale_gradients", &shard_score_scale_gradients, "q"_a, "k"_a, "v"_a, "dq"_a,
+  m.def("shard_query_map_gradients", &shard_query_map_gradients, "q"_a, "k"_a, "v"_a, "dq"_a,
         "options"_a, "layout"_a, "rank"_a, "ranks"_a,
-        "With options.score_scale: dq, ring_backward_step's accumulator of the gradient of the "
-        "scaled queries, turned into q's gradient in place; returns this rank's rows' part of "
-        "d_score_scale [Hq] (the whole problem's is the sum over the ranks).");
+        "With maps of the queries: dq, ring_backward_step's accumulator of the "
+        "gradient of the mapped queries, turned into q's gradient in place; returns {gradient: "
+        "this rank's rows' part} of the maps' parameters (the whole problem's is the sum over "
+        "the ranks; empty without maps).");
   m.def("heads_attention", &heads_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "options"_a,
         "rank"_a, "ranks"_a,
         "An all-to-all rank's attention: its Hq / R heads of the whole sequence (q [B, N, Hq / R, "

@@ -4,7 +4,7 @@
 #include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "core/isa.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/sparse.hpp"
 #include "cpu/flash.hpp"
 #include "qkv/flex.hpp"
@@ -22,8 +22,8 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
   if (const detail::DilatedSplit split = detail::dilated_split(problem, options);
       split.dilation > 1 && mods == nullptr && !outputs.probs.defined() && q.dtype() == k.dtype()) {
     // One dense window problem per residue class (see dilated_split), each
-    // validated, which needs q's dtype to be k's (queries scaled in f32 are
-    // not, score_scale.hpp).
+    // validated, which needs q's dtype to be k's (queries mapped in f32 are
+    // not, query_maps.hpp).
     const AttentionOptions window = split.window_options(options);
     return split.for_each_class(problem.nq, [&](const auto& rows) {
       const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
@@ -70,14 +70,14 @@ bool run_fast(const detail::AttentionProblem& problem, ConstTensorView q, ConstT
 void run(const detail::AttentionProblem& problem, ConstTensorView q, ConstTensorView k,
          ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& options,
          const detail::TileMods* mods) {
-  if (!options.score_scale.empty()) {  // every path runs the scaled queries (score_scale.hpp)
-    const AttentionOptions rest = detail::without_score_scale(options);
+  if (detail::maps_queries(options)) {  // every path runs the mapped queries (query_maps.hpp)
+    const AttentionOptions rest = detail::without_query_maps(options);
     if (detail::use_fast_kernels(options, problem.dtype) &&
-        run_fast(problem, detail::scaled_queries(problem, q, options, DType::f32), k, v, outputs,
+        run_fast(problem, detail::mapped_queries(problem, q, options, DType::f32), k, v, outputs,
                  rest, mods)) {
       return;
     }
-    reference::attention(problem, detail::scaled_queries(problem, q, options, DType::f64), k, v,
+    reference::attention(problem, detail::mapped_queries(problem, q, options, DType::f64), k, v,
                          outputs, rest);
     return;
   }

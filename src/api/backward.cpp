@@ -10,7 +10,7 @@
 #include "core/isa.hpp"
 #include "core/parameters.hpp"
 #include "core/philox.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/sparse.hpp"
 #include "cpu/additive_backward.hpp"
 #include "cpu/flash.hpp"
@@ -28,8 +28,8 @@ bool run_fast(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorV
   if (const detail::DilatedSplit split = detail::dilated_split(p, o);
       split.dilation > 1 && q.dtype() == k.dtype()) {
     // One dense window problem per residue class (see dilated_split), each
-    // validated, which needs q's dtype to be k's (queries scaled in f32 are
-    // not, score_scale.hpp).
+    // validated, which needs q's dtype to be k's (queries mapped in f32 are
+    // not, query_maps.hpp).
     const AttentionOptions window = split.window_options(o);
     return split.for_each_class(p.nq, [&](const auto& rows) {
       const ConstTensorView qc = rows(q, 1), kc = rows(k, 1), vc = rows(v, 1);
@@ -129,18 +129,15 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
          ConstTensorView out, ConstTensorView dout, ConstTensorView lse,
          const GradientOutputs& grads, const AttentionOptions& o) {
   Tensor forward_out, forward_lse;
-  if (!o.score_scale.empty()) {  // the gradients of the scaled queries (score_scale.hpp)
-    // The forward's out and lse with the scale (the scaled queries are wider).
+  if (detail::maps_queries(o)) {  // the gradients of the mapped queries (query_maps.hpp)
+    // The forward's out and lse with the maps (the mapped queries are wider).
     if (!out.defined()) run_forward(p, q, k, v, o, out, lse, forward_out, forward_lse);
     const DType wide = detail::use_fast_kernels(o, p.dtype) ? DType::f32 : DType::f64;
-    const std::vector<detail::ScaledRow> rows = detail::scaled_rows(p, o);
-    Tensor d_scaled(wide, {p.batch, p.nq, p.hq, p.dq});
-    GradientOutputs inner = grads;
-    inner.dq = d_scaled;
-    inner.d_score_scale = {};
-    run(p, detail::scaled_queries(q, rows, o, wide), k, v, out, dout, lse, inner,
-        detail::without_score_scale(o));
-    detail::score_scale_gradients(q, d_scaled, rows, o, grads.dq, grads.d_score_scale);
+    const std::vector<detail::QueryRow> rows = detail::query_rows(p, o);
+    Tensor d_mapped(wide, {p.batch, p.nq, p.hq, p.dq});
+    run(p, detail::mapped_queries(q, rows, o, wide), k, v, out, dout, lse,
+        detail::mapped_gradients(grads, d_mapped), detail::without_query_maps(o));
+    detail::query_map_gradients(q, d_mapped, rows, o, grads.dq, grads);
     return;
   }
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);

@@ -13,7 +13,7 @@
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/hadamard.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/sparse.hpp"
 #include "cpu/decode.hpp"
 
@@ -89,7 +89,7 @@ DecodeShape check_decode(ConstTensorView q, const KvCache& cache, const TensorVi
   shape.scale = detail::check_scale(o, dk, r);
   detail::check_alibi(o, shape.hq, shape.batch, false, r);
   detail::check_sinks(o, shape.hq, r);
-  detail::check_score_scale(o, shape.hq, r);
+  detail::check_query_maps(o, shape.hq, r);
   detail::check_fast_dtype(o.backend, shape.dtype, r);
   if (out != nullptr) {
     detail::Aliasing aliasing;
@@ -204,11 +204,11 @@ cache::KvView view_of(const KvCache& kv) {
   return view;
 }
 
-// The queries times options.score_scale (core/score_scale.hpp) for the
-// decode kernels, which read no other trace of it, in f32: each row's keys
+// The queries through the options' maps (core/query_maps.hpp) for the
+// decode kernels, which read no other trace of them, in f32: each row's keys
 // are its sequence's cached tokens up to its own (causal, bottom-right), as
 // reference_decode has them.
-Tensor scaled_queries(ConstTensorView q, const KvCache& cache, const AttentionOptions& o) {
+Tensor mapped_queries(ConstTensorView q, const KvCache& cache, const AttentionOptions& o) {
   detail::AttentionProblem p;
   p.batch = p.sequences = q.size(0);
   p.nq = q.size(1);
@@ -218,7 +218,7 @@ Tensor scaled_queries(ConstTensorView q, const KvCache& cache, const AttentionOp
   AttentionOptions rows = o;
   rows.causal = true;
   rows.align = Align::bottom_right;
-  return detail::scaled_queries(p, q, rows, DType::f32);
+  return detail::mapped_queries(p, q, rows, DType::f32);
 }
 
 // Runs a validated call. A fused result holding a NaN or an infinity is
@@ -230,9 +230,9 @@ void run(ConstTensorView q, const KvCache& cache, TensorView out, TensorView lse
     cpu::KernelParams params = cpu::lower(o, scale);
     params.keys.causal = true;  // decoding's definition (reference_decode)
     params.keys.align = Align::bottom_right;
-    const Tensor scaled = o.score_scale.empty() ? Tensor() : scaled_queries(q, cache, o);
+    const Tensor mapped = detail::maps_queries(o) ? mapped_queries(q, cache, o) : Tensor();
     cpu::DecodePlan plan =
-        cpu::make_decode_plan(view, params, scaled.defined() ? scaled.view() : q, out, lse);
+        cpu::make_decode_plan(view, params, mapped.defined() ? mapped.view() : q, out, lse);
     cpu::decode(plan);
     if (detail::all_finite(out) && (!lse.defined() || detail::all_finite(lse, true))) return;
   }

@@ -10,7 +10,7 @@
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/parameters.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/sparse.hpp"
 
 namespace qkv::detail {
@@ -224,7 +224,7 @@ void check_mask(const AttentionOptions& o, const AttentionProblem& p, Reasons& r
 void check_positions(const AttentionOptions& o, const AttentionProblem& p, Reasons& r) {
   check_alibi(o, p.hq, p.sequences, p.varlen, r);
   check_sinks(o, p.hq, r);
-  check_score_scale(o, p.hq, r);
+  check_query_maps(o, p.hq, r);
   if (o.shard.heads > 0 && o.shard.head >= 0 &&
       (o.shard.head > o.shard.heads || o.shard.heads - o.shard.head < p.hq)) {
     r.push_back("options.shard.heads: expected at least head + Hq = " + to_string(o.shard.head) +

@@ -6,7 +6,6 @@
 
 #include "core/checks.hpp"
 #include "core/elements.hpp"
-#include "core/key_range.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -15,28 +14,13 @@ std::int64_t row_offset(ConstTensorView t, std::int64_t b, std::int64_t row, std
   return b * t.stride(0) + row * t.stride(1) + h * t.stride(2);
 }
 
-}  // namespace
-
-double log_keys(const AttentionOptions& o, KeyRange r) {
+// ln(n_i) of a row with n_i keys (0 for none), or 1 without score_scale_log_n.
+double log_keys(const AttentionOptions& o, const QueryRow& r) {
   if (!o.score_scale_log_n) return 1.0;
-  return r.hi > r.lo ? std::log(static_cast<double>(r.hi - r.lo)) : 0.0;
+  return r.keys > 0 ? std::log(static_cast<double>(r.keys)) : 0.0;
 }
 
-std::vector<ScaledRow> scaled_rows(const AttentionProblem& p, const AttentionOptions& o) {
-  std::vector<ScaledRow> rows;
-  rows.reserve(static_cast<std::size_t>(p.sequences > 0 ? p.sequence(0).nq * p.sequences : 0));
-  const KeyRule rule = key_rule(o);
-  for (std::int64_t s = 0; s < p.sequences; ++s) {
-    const SequenceExtent e = p.sequence(s);
-    const std::int64_t offset = rule.offset(e.nq, e.nk);
-    for (std::int64_t i = 0; i < e.nq; ++i) {
-      rows.push_back({e.batch, e.q_begin + i, log_keys(o, rule.range(i + offset, e.nk))});
-    }
-  }
-  return rows;
-}
-
-void check_score_scale(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
+void check(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
   if (o.score_scale.empty()) {
     if (o.score_scale_log_n) {
       r.push_back(
@@ -71,13 +55,12 @@ void check_score_scale(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
   }
 }
 
-Tensor scaled_queries(ConstTensorView q, std::span<const ScaledRow> rows, const AttentionOptions& o,
-                      DType dtype) {
-  Tensor scaled(dtype, {q.size(0), q.size(1), q.size(2), q.size(3)});
-  const TensorView out = scaled;
-  for (const ScaledRow& r : rows) {
+void apply(ConstTensorView q, std::span<const QueryRow> rows, const AttentionOptions& o,
+           TensorView out) {
+  for (const QueryRow& r : rows) {
+    const double ln_n = log_keys(o, r);
     for (std::int64_t h = 0; h < q.size(2); ++h) {
-      const double c = static_cast<double>(o.score_scale[static_cast<std::size_t>(h)]) * r.ln_n;
+      const double c = static_cast<double>(o.score_scale[static_cast<std::size_t>(h)]) * ln_n;
       const std::int64_t from = row_offset(q, r.batch, r.row, h);
       const std::int64_t to = row_offset(out, r.batch, r.row, h);
       for (std::int64_t d = 0; d < q.size(3); ++d) {
@@ -86,29 +69,16 @@ Tensor scaled_queries(ConstTensorView q, std::span<const ScaledRow> rows, const 
       }
     }
   }
-  return scaled;
 }
 
-Tensor scaled_queries(const AttentionProblem& p, ConstTensorView q, const AttentionOptions& o,
-                      DType dtype) {
-  return scaled_queries(q, scaled_rows(p, o), o, dtype);
-}
-
-AttentionOptions without_score_scale(const AttentionOptions& o) {
-  AttentionOptions rest = o;
-  rest.score_scale = {};
-  rest.score_scale_log_n = false;
-  return rest;
-}
-
-void score_scale_gradients(ConstTensorView q, ConstTensorView dq_scaled,
-                           std::span<const ScaledRow> rows, const AttentionOptions& o,
-                           TensorView dq, TensorView d_score_scale) {
+void pull_back(ConstTensorView q, ConstTensorView dq_scaled, std::span<const QueryRow> rows,
+               const AttentionOptions& o, TensorView dq, TensorView d_score_scale) {
   const std::int64_t hq = q.size(2);
   std::vector<double> sums(static_cast<std::size_t>(hq), 0.0);
-  for (const ScaledRow& r : rows) {
+  for (const QueryRow& r : rows) {
+    const double ln_n = log_keys(o, r);
     for (std::int64_t h = 0; h < hq; ++h) {
-      const double c = static_cast<double>(o.score_scale[static_cast<std::size_t>(h)]) * r.ln_n;
+      const double c = static_cast<double>(o.score_scale[static_cast<std::size_t>(h)]) * ln_n;
       const std::int64_t at_q = row_offset(q, r.batch, r.row, h);
       const std::int64_t at_g = row_offset(dq_scaled, r.batch, r.row, h);
       const std::int64_t at_dq = row_offset(dq, r.batch, r.row, h);
@@ -118,7 +88,7 @@ void score_scale_gradients(ConstTensorView q, ConstTensorView dq_scaled,
         dot += g * load(q.data(), q.dtype(), at_q + d * q.stride(3));
         store(dq.data(), dq.dtype(), at_dq + d * dq.stride(3), c * g);
       }
-      sums[static_cast<std::size_t>(h)] += dot * r.ln_n;
+      sums[static_cast<std::size_t>(h)] += dot * ln_n;
     }
   }
   if (!d_score_scale.defined()) return;
@@ -127,5 +97,27 @@ void score_scale_gradients(ConstTensorView q, ConstTensorView dq_scaled,
           sums[static_cast<std::size_t>(h)]);
   }
 }
+
+bool used(const AttentionOptions& o) { return !o.score_scale.empty(); }
+
+void remove(AttentionOptions& o) {
+  o.score_scale = {};
+  o.score_scale_log_n = false;
+}
+
+void select_heads(AttentionOptions& o, std::int64_t h0, std::int64_t n) {
+  o.score_scale = o.score_scale.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(n));
+}
+
+}  // namespace
+
+const QueryMap kScoreScaleMap{.used = used,
+                              .check = check,
+                              .remove = remove,
+                              .select_heads = select_heads,
+                              .apply = apply,
+                              .pull_back = pull_back,
+                              .gradient = &AttentionGradients::d_score_scale,
+                              .gradient_view = &GradientOutputs::d_score_scale};
 
 }  // namespace qkv::detail

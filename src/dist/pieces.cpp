@@ -14,7 +14,8 @@
 #include "core/capabilities.hpp"
 #include "core/elements.hpp"
 #include "core/key_range.hpp"
-#include "core/score_scale.hpp"
+#include "core/parameters.hpp"
+#include "core/query_maps.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "qkv/backward.hpp"
 #include "reference/backward.hpp"
@@ -294,22 +295,19 @@ AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
   if (!o.sinks.empty()) {
     p.sinks = o.sinks.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
   }
-  if (!o.score_scale.empty()) {
-    p.score_scale =
-        o.score_scale.subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(hl));
-  }
+  qkv::detail::select_query_map_heads(p, h0, hl);
   return p;
 }
 
-std::vector<qkv::detail::ScaledRow> shard_scaled_rows(const Setup& s, const AttentionOptions& o) {
-  std::vector<qkv::detail::ScaledRow> rows;
+std::vector<qkv::detail::QueryRow> shard_query_rows(const Setup& s, const AttentionOptions& o) {
+  std::vector<qkv::detail::QueryRow> rows;
   const qkv::detail::KeyRule rule = qkv::detail::key_rule(o);
   for (const BatchGroup& g : batch_groups(s, o)) {
     for (std::int64_t b = g.b0; b < g.b0 + g.count; ++b) {
       for (const Chunk& c : chunks_of(s.layout, s.rank, s.ranks, s.nq)) {
         for (std::int64_t t = 0; t < c.length; ++t) {
           const qkv::detail::KeyRange keys = rule.range(c.global + t + g.delta, g.valid_keys);
-          rows.push_back({b, c.local + t, qkv::detail::log_keys(o, keys)});
+          rows.push_back({b, c.local + t, keys.hi > keys.lo ? keys.hi - keys.lo : 0});
         }
       }
     }
@@ -389,7 +387,7 @@ void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Ten
 // What a step's pieces run on. They compute on f32 copies of 16-bit inputs
 // (exact: widening rounds nothing), so that their outputs and gradients
 // reach the f32 merges and sums unrounded, and the result is rounded to 16
-// bits once, as one call's. With options.score_scale, the queries are this
+// bits once, as one call's. With maps of the queries, the queries are this
 // rank's times c_hi in that dtype (their whole-problem key ranges,
 // shard_scaled_rows) and the options go without the scale.
 struct Working {
@@ -408,12 +406,12 @@ Working working(const Setup& s0, const AttentionOptions& o, ConstTensorView q) {
   Working w{s0, o, {}, {}};
   w.copies.reserve(6);  // the views stay where they are
   if (s0.dtype == DType::bf16 || s0.dtype == DType::f16) w.s.dtype = DType::f32;
-  if (o.score_scale.empty()) {
+  if (!qkv::detail::maps_queries(o)) {
     w.queries = w(q);
   } else {
-    w.copies.push_back(qkv::detail::scaled_queries(q, shard_scaled_rows(s0, o), o, w.s.dtype));
+    w.copies.push_back(qkv::detail::mapped_queries(q, shard_query_rows(s0, o), o, w.s.dtype));
     w.queries = w.copies.back().view();
-    w.options = qkv::detail::without_score_scale(o);
+    w.options = qkv::detail::without_query_maps(o);
   }
   return w;
 }
@@ -495,14 +493,25 @@ void ring_backward_step(const Setup& s0, const AttentionOptions& o0,
 }
 
 template <class Real>
-Tensor finish_score_scale(const Setup& s, const AttentionOptions& o, ConstTensorView q, Real* dq) {
+AttentionGradients finish_query_maps(const Setup& s, const AttentionOptions& o, ConstTensorView q,
+                                     Real* dq) {
+  AttentionGradients shares;
+  if (!qkv::detail::maps_queries(o)) return shares;
   const DType real = sizeof(Real) == 8 ? DType::f64 : DType::f32;
   const qkv::Shape sizes{s.batch, s.nq, s.hq, s.dk}, strides = contiguous_strides(sizes);
   const TensorView acc(dq, real, std::span<const std::int64_t>(sizes.data(), 4),
                        std::span<const std::int64_t>(strides.data(), 4));
-  Tensor share(s.stat_dtype, {s.hq});
-  qkv::detail::score_scale_gradients(q, acc, shard_scaled_rows(s, o), o, acc, share.view());
-  return share;
+  GradientOutputs views;
+  const std::vector<qkv::detail::ParameterRow> rows = qkv::detail::parameter_rows(s.problem, o);
+  for (const qkv::detail::QueryMap* m : qkv::detail::used_query_maps(o)) {
+    for (const qkv::detail::ParameterRow& row : rows) {
+      if (row.tensor != m->gradient) continue;
+      shares.*m->gradient = Tensor(s.stat_dtype, row.sizes);
+      views.*m->gradient_view = shares.*m->gradient;
+    }
+  }
+  qkv::detail::query_map_gradients(q, acc, shard_query_rows(s, o), o, acc, views);
+  return shares;
 }
 
 Tensor local_sink_gradients(const Setup& s, ConstTensorView out, ConstTensorView dout,
@@ -579,10 +588,10 @@ template void ring_backward_step<float>(const Setup&, const AttentionOptions&,
                                         ConstTensorView, ConstTensorView, ConstTensorView,
                                         ConstTensorView, ConstTensorView, float*, float*, float*,
                                         PieceCounts&, const std::function<void()>&);
-template Tensor finish_score_scale<float>(const Setup&, const AttentionOptions&, ConstTensorView,
-                                          float*);
-template Tensor finish_score_scale<double>(const Setup&, const AttentionOptions&, ConstTensorView,
-                                           double*);
+template AttentionGradients finish_query_maps<float>(const Setup&, const AttentionOptions&,
+                                                     ConstTensorView, float*);
+template AttentionGradients finish_query_maps<double>(const Setup&, const AttentionOptions&,
+                                                      ConstTensorView, double*);
 template void ring_backward_step<double>(const Setup&, const AttentionOptions&,
                                          const std::vector<BatchGroup>&, int, ConstTensorView,
                                          ConstTensorView, ConstTensorView, ConstTensorView,

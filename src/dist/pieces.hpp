@@ -17,7 +17,7 @@
 
 #include "core/checks.hpp"
 #include "core/problem.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/shard_layout.hpp"
 
@@ -115,21 +115,22 @@ AttentionOptions piece_options(const AttentionOptions& o, const Setup& s, const 
                                std::vector<std::int64_t>& lengths);
 
 // The options of an all-to-all rank's Hq / R heads over the whole sequence:
-// dropout sees global heads, ALiBi, sinks and score_scale the values of
-// those heads (ALiBi's copied into `slopes`).
+// dropout sees global heads, ALiBi, sinks and the maps of the queries the
+// values of those heads (ALiBi's copied into `slopes`).
 AttentionOptions head_options(const AttentionOptions& o, const Setup& s,
                               std::vector<float>& slopes);
 
-// options.score_scale on a ring (core/score_scale.hpp): this rank's query
-// rows, each with ln of its keys in the whole problem. Each step scales the
-// rank's queries with them and runs its pieces without the scale, so the
-// backward steps accumulate dq', the gradient of the scaled queries;
-// finish_score_scale turns it into dq in place and returns this rank's
-// rows' share of d_score_scale [Hq] (stat dtype; the whole problem's is the
-// sum over the ranks).
-std::vector<qkv::detail::ScaledRow> shard_scaled_rows(const Setup& s, const AttentionOptions& o);
+// Maps of the queries on a ring (core/query_maps.hpp): this rank's query
+// rows, each with its keys in the whole problem. Each step maps the rank's
+// queries with them and runs its pieces without the maps, so the backward
+// steps accumulate dq', the gradient of the mapped queries;
+// finish_query_maps turns it into dq in place and returns this rank's rows'
+// shares of the maps' parameter gradients (stat dtype; the whole problem's
+// are the sums over the ranks; none without maps).
+std::vector<qkv::detail::QueryRow> shard_query_rows(const Setup& s, const AttentionOptions& o);
 template <class Real>
-Tensor finish_score_scale(const Setup& s, const AttentionOptions& o, ConstTensorView q, Real* dq);
+AttentionGradients finish_query_maps(const Setup& s, const AttentionOptions& o, ConstTensorView q,
+                                     Real* dq);
 
 // Pieces a ring step computed and pairs it skipped (no query could attend).
 struct PieceCounts {
@@ -159,8 +160,8 @@ void add_sinks(const Setup& s, std::span<const float> sinks, Real* acc, Real* ac
 
 // One backward ring step: the gradients of this rank's rows against the
 // shard of `holder` (q, out, dout, lse this rank's; k, v the held shard's)
-// added into dq [B, nq, Hq, Dk] (with options.score_scale: dq', see
-// finish_score_scale) and into the held shard's dk [B, nk, Hkv, Dk] and dv
+// added into dq [B, nq, Hq, Dk] (with maps of the queries: dq', see
+// finish_query_maps) and into the held shard's dk [B, nk, Hkv, Dk] and dv
 // [B, nk, Hkv, Dv], contiguous, of Real.
 template <class Real>
 void ring_backward_step(const Setup& s, const AttentionOptions& o,

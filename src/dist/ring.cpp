@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/parameters.hpp"
 #include "dist/shards.hpp"
 #include "qkv/distributed.hpp"
 
@@ -245,10 +246,11 @@ AttentionGradients ring_backward(MPI_Comm comm, const Setup& s, ConstTensorView 
   detail::wait_all(grad_sends[0]);
   detail::wait_all(grad_sends[1]);
   st.wait_s += MPI_Wtime() - waited;
-  AttentionGradients result;
-  if (!o.score_scale.empty()) {  // dq' to dq, and d_score_scale
-    result.d_score_scale =
-        detail::sum_over_ranks(comm, detail::finish_score_scale(s, o, q, dq.data()));
+  // dq' to dq, and the maps' parameter gradients summed over the ranks.
+  AttentionGradients result = detail::finish_query_maps(s, o, q, dq.data());
+  for (const qkv::detail::ParameterRow& row : qkv::detail::parameter_rows(s.problem, o)) {
+    Tensor& share = result.*row.tensor;
+    if (share.defined()) share = detail::sum_over_ranks(comm, share);
   }
   result.dq = Tensor(s.dtype, {s.batch, s.nq, s.hq, s.dk});
   result.dk = Tensor(s.dtype, {s.batch, s.nk, s.hkv, s.dk});

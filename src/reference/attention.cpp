@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "core/elements.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
 
@@ -125,9 +125,9 @@ void attention(const AttentionProblem& p, ConstTensorView q, ConstTensorView k, 
 void naive_attention(const AttentionProblem& p, ConstTensorView q, ConstTensorView k,
                      ConstTensorView v, const AttentionOutputs& outputs, const AttentionOptions& o,
                      DType precision) {
-  if (!o.score_scale.empty()) {  // the queries scaled in `precision` (core/score_scale.hpp)
-    attention_in<float>(p, detail::scaled_queries(p, q, o, precision), k, v, outputs,
-                        detail::without_score_scale(o), precision);
+  if (detail::maps_queries(o)) {  // the queries mapped in `precision` (core/query_maps.hpp)
+    attention_in<float>(p, detail::mapped_queries(p, q, o, precision), k, v, outputs,
+                        detail::without_query_maps(o), precision);
     return;
   }
   attention_in<float>(p, q, k, v, outputs, o, precision);

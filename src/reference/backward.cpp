@@ -38,7 +38,7 @@
 
 #include "core/elements.hpp"
 #include "core/mask_gradient.hpp"
-#include "core/score_scale.hpp"
+#include "core/query_maps.hpp"
 #include "core/softmax_epilogue.hpp"
 #include "reference/scores.hpp"
 
@@ -311,15 +311,13 @@ void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView
                               ConstTensorView dout, ConstTensorView lse,
                               const GradientOutputs& grads, const AttentionOptions& o,
                               DType precision) {
-  if (!o.score_scale.empty()) {  // the queries scaled in `precision` (core/score_scale.hpp)
-    const std::vector<detail::ScaledRow> rows = detail::scaled_rows(p, o);
-    Tensor d_scaled(DType::f32, {p.batch, p.nq, p.hq, p.dq});
-    GradientOutputs inner = grads;
-    inner.dq = d_scaled;
-    inner.d_score_scale = {};
-    backward_in<float>(p, detail::scaled_queries(q, rows, o, precision), k, v, out, dout, lse,
-                       inner, detail::without_score_scale(o), precision, false);
-    detail::score_scale_gradients(q, d_scaled, rows, o, grads.dq, grads.d_score_scale);
+  if (detail::maps_queries(o)) {  // the queries mapped in `precision` (core/query_maps.hpp)
+    const std::vector<detail::QueryRow> rows = detail::query_rows(p, o);
+    Tensor d_mapped(DType::f32, {p.batch, p.nq, p.hq, p.dq});
+    backward_in<float>(p, detail::mapped_queries(q, rows, o, precision), k, v, out, dout, lse,
+                       detail::mapped_gradients(grads, d_mapped), detail::without_query_maps(o),
+                       precision, false);
+    detail::query_map_gradients(q, d_mapped, rows, o, grads.dq, grads);
     return;
   }
   backward_in<float>(p, q, k, v, out, dout, lse, grads, o, precision, false);
