@@ -138,12 +138,58 @@ std::string number(double x) {
   return s.str();
 }
 
+// The learned per-head parameters ([Hq] .npy files): --NAME reads one and
+// --d-NAME writes its gradient (NAME the option's, '-' for '_').
+struct Learned {
+  const char* name;  // the option: "sinks"
+  const char* help;  // of --NAME
+  std::span<const float> AttentionOptions::*option;
+  TensorView GradientOutputs::*gradient;
+};
+constexpr Learned kLearned[] = {
+    {"sinks", "Learned sink logits [Hq] (.npy): each joins\nits head's softmax denominators",
+     &AttentionOptions::sinks, &GradientOutputs::d_sinks},
+    {"score_scale",
+     "Learned logit scales [Hq] (.npy): head h's\ndot-product scores times score_scale[h]",
+     &AttentionOptions::score_scale, &GradientOutputs::d_score_scale},
+};
+constexpr std::size_t kLearnedCount = std::size(kLearned);
+
+// Switches that modify a learned parameter: --NAME sets the option.
+struct Switch {
+  const char* name;     // the option: "score_scale_log_n"
+  const char* help;     // of --NAME
+  const char* summary;  // in the summary line
+  bool AttentionOptions::*option;
+};
+constexpr Switch kSwitches[] = {
+    {"score_scale_log_n",
+     "With --score-scale: also times ln of each\nrow's keys (Scalable-Softmax)",
+     "score_scale times ln n", &AttentionOptions::score_scale_log_n},
+};
+
+// "--score-scale" for "score_scale", after `prefix`.
+std::string flag_of(std::string_view name, std::string_view prefix = "--") {
+  std::string flag(prefix);
+  for (const char c : name) flag += c == '_' ? '-' : c;
+  return flag;
+}
+
+std::string gradient_flag_of(std::string_view name) { return flag_of(name, "--d-"); }
+
+// A map's value, or "" where the key is absent.
+template <class Map>
+typename Map::mapped_type entry(const Map& map, const std::string& key) {
+  const auto it = map.find(key);
+  return it == map.end() ? typename Map::mapped_type{} : it->second;
+}
+
 // The library names an option by its field (options.dropout_p), the
 // command line by its flag: each reason about an option a flag sets is
 // reworded to name the flag, with the expected and actual values the
 // library gave.
 Error naming_flags(const Error& e) {
-  static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
+  std::vector<std::pair<std::string, std::string>> flags = {
       {"options.scale", "--scale"},
       {"options.window_left", "--window L"},
       {"options.window_right", "--window R"},
@@ -151,18 +197,19 @@ Error naming_flags(const Error& e) {
       {"options.mask_requires_grad", "--d-mask"},
       {"options.mask", "--mask"},
       {"options.alibi_slopes", "--alibi-slopes"},
-      {"options.sinks", "--sinks"},
-      {"options.score_scale_log_n", "--score-scale-log-n"},
-      {"options.score_scale", "--score-scale"},
       {"options.softcap", "--softcap"},
       {"options.dropout_p", "--dropout"}};
+  for (const Learned& l : kLearned)
+    flags.emplace_back(std::string("options.") + l.name, flag_of(l.name));
+  for (const Switch& w : kSwitches)
+    flags.emplace_back(std::string("options.") + w.name, flag_of(w.name));
   std::vector<std::string> reasons;
   for (std::string r : e.reasons()) {
-    for (const auto& [field, flag] : kFlags) {
+    for (const auto& [field, flag] : flags) {
       // The whole field: followed by ':' or an index, not a longer name.
       if (r.starts_with(field) && r.size() > field.size() &&
           (r[field.size()] == ':' || r[field.size()] == '[')) {
-        r = std::string(flag) + r.substr(field.size());
+        r = flag + r.substr(field.size());
         break;
       }
     }
@@ -231,26 +278,6 @@ std::string load_floats(const std::string& file, const std::string& flag,
   return shape_text(t);
 }
 
-// The learned per-head parameters ([Hq] .npy files): the flag that reads
-// one and the flag that writes its gradient, with where each goes.
-struct Learned {
-  const char* name;                           // in the summary: "sinks"
-  const char* flag;                           // "--sinks"
-  const char* gradient_flag;                  // "--d-sinks"
-  std::string AttendOptions::*file;           // the parameter's .npy
-  std::string AttendOptions::*gradient_file;  // its gradient's .npy
-  std::span<const float> AttentionOptions::*option;
-  TensorView GradientOutputs::*gradient;
-};
-constexpr Learned kLearned[] = {
-    {"sinks", "--sinks", "--d-sinks", &AttendOptions::sinks, &AttendOptions::d_sinks,
-     &AttentionOptions::sinks, &GradientOutputs::d_sinks},
-    {"score_scale", "--score-scale", "--d-score-scale", &AttendOptions::score_scale,
-     &AttendOptions::d_score_scale, &AttentionOptions::score_scale,
-     &GradientOutputs::d_score_scale},
-};
-constexpr std::size_t kLearnedCount = std::size(kLearned);
-
 struct Plan {
   AttentionOptions options;
   std::vector<std::int64_t> key_lengths;
@@ -269,8 +296,8 @@ void check_outputs(const AttendOptions& o) {
       {"-o", o.out},  {"--lse", o.lse}, {"--probs", o.probs},  {"--dq", o.dq},
       {"--dk", o.dk}, {"--dv", o.dv},   {"--d-mask", o.d_mask}};
   for (const Learned& l : kLearned) {
-    inputs.insert(o.*l.file);
-    outputs.emplace_back(l.gradient_flag, o.*l.gradient_file);
+    inputs.insert(entry(o.learned, l.name));
+    outputs.emplace_back(gradient_flag_of(l.name), entry(o.learned_gradients, l.name));
   }
   for (const auto& [flag, path] : outputs) {
     if (path.empty()) continue;
@@ -336,12 +363,16 @@ Plan plan_of(const AttendOptions& o, std::int64_t hq) {
   a.alibi_slopes = p.slopes;
   for (std::size_t i = 0; i < kLearnedCount; ++i) {
     const Learned& l = kLearned[i];
-    if ((o.*l.file).empty()) continue;
-    p.described.push_back(std::string(l.name) + " " + load_floats(o.*l.file, l.flag, p.learned[i]));
+    const std::string file = entry(o.learned, l.name);
+    if (file.empty()) continue;
+    p.described.push_back(std::string(l.name) + " " +
+                          load_floats(file, flag_of(l.name), p.learned[i]));
     a.*l.option = p.learned[i];
   }
-  a.score_scale_log_n = o.score_scale_log_n;
-  if (o.score_scale_log_n) p.described.push_back("score_scale times ln n");
+  for (const Switch& w : kSwitches) {
+    a.*w.option = entry(o.switches, w.name);
+    if (a.*w.option) p.described.push_back(w.summary);
+  }
   a.softcap = o.softcap;
   if (o.softcap != 0.0) p.described.push_back("softcap " + number(o.softcap));
   a.dropout_p = o.dropout;
@@ -377,12 +408,13 @@ void check_flags(const AttendOptions& o) {
     if (o.mask.empty()) throw Error("--d-mask: expected --mask FILE with it");
   }
   for (const Learned& l : kLearned) {
-    gradient_flags += std::string(", ") + l.gradient_flag;
-    if ((o.*l.gradient_file).empty()) continue;
+    const std::string flag = gradient_flag_of(l.name);
+    gradient_flags += ", " + flag;
+    if (entry(o.learned_gradients, l.name).empty()) continue;
     any = true;
-    if (!backward) throw Error(std::string(l.gradient_flag) + ": expected --backward DOUT with it");
-    if ((o.*l.file).empty()) {
-      throw Error(std::string(l.gradient_flag) + ": expected " + l.flag + " FILE with it");
+    if (!backward) throw Error(flag + ": expected --backward DOUT with it");
+    if (entry(o.learned, l.name).empty()) {
+      throw Error(flag + ": expected " + flag_of(l.name) + " FILE with it");
     }
   }
   if (!backward && any) throw Error("--dq/--dk/--dv: expected --backward DOUT with them");
@@ -392,6 +424,18 @@ void check_flags(const AttendOptions& o) {
 }
 
 }  // namespace
+
+LearnedFlags learned_flags() {
+  LearnedFlags flags;
+  for (const Learned& l : kLearned) {
+    flags.inputs.push_back({l.name, flag_of(l.name), l.help});
+    flags.gradients.push_back({l.name, gradient_flag_of(l.name),
+                               std::string("Write dLoss/d") + l.name +
+                                   " [Hq] (with --backward\nand " + flag_of(l.name) + ")"});
+  }
+  for (const Switch& w : kSwitches) flags.switches.push_back({w.name, flag_of(w.name), w.help});
+  return flags;
+}
 
 int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
   try {
@@ -465,8 +509,8 @@ int run_attend(const AttendOptions& o, std::ostream& out, std::ostream& err) {
     if (!o.dv.empty()) written.emplace_back(o.dv, &dvt);
     if (!o.d_mask.empty()) written.emplace_back(o.d_mask, &d_mask);
     for (std::size_t i = 0; i < kLearnedCount; ++i) {
-      if (!(o.*kLearned[i].gradient_file).empty()) {
-        written.emplace_back(o.*kLearned[i].gradient_file, &learned[i]);
+      if (const std::string file = entry(o.learned_gradients, kLearned[i].name); !file.empty()) {
+        written.emplace_back(file, &learned[i]);
       }
     }
     for (const auto& [path, t] : written) save_npy(path, *t);

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace qkv::tools {
 
@@ -23,24 +25,39 @@ struct AttendOptions {
   std::string mask;                    // bool (true = attend) or float (added) .npy
   bool alibi = false;                  // ALiBi with the paper's slopes
   std::string alibi_slopes;            // [Hq] or [B, Hq] .npy
-  std::string sinks;                   // [Hq] .npy: learned sink logits (gpt-oss)
-  std::string score_scale;             // [Hq] .npy: learned logit scales
-  bool score_scale_log_n = false;      // with score_scale: times ln of each row's keys
-  double softcap = 0.0;                // c > 0: c tanh(s / c)
-  double dropout = 0.0;                // dropout probability, < 1
-  std::uint64_t seed = 0;              // dropout seed
-  std::string dtype;                   // compute dtype f32 | bf16 | f16 | f64; empty = q's
-  std::string backend = "automatic";   // automatic | fast | reference
-  int threads = 0;                     // OpenMP threads; 0 = all cores
-  std::string lse;                     // also write lse [B, Hq, Nq]
-  std::string probs;                   // also write probabilities [B, Hq, Nq, Nk]
-  std::string dout;                    // --backward: dLoss/dout, like out
-  std::string dq, dk, dv;              // --backward: gradient files (each optional)
-  std::string d_sinks;                 // --backward with --sinks: dLoss/dsinks [Hq]
-  std::string d_score_scale;           // --backward with --score-scale: dLoss/dscore_scale [Hq]
-  std::string d_mask;                  // --backward with a float --mask: dLoss/dmask, its shape
-  bool json = false;                   // a JSON summary on stdout instead of the line on stderr
+  // The learned per-head parameters (learned_flags())
+  // by option name: the [Hq] .npy that --NAME reads, and where --d-NAME
+  // writes its gradient (with --backward); absent or empty = not given.
+  std::map<std::string, std::string> learned, learned_gradients;
+  std::map<std::string, bool> switches;  // their switches by option name
+  double softcap = 0.0;                  // c > 0: c tanh(s / c)
+  double dropout = 0.0;                  // dropout probability, < 1
+  std::uint64_t seed = 0;                // dropout seed
+  std::string dtype;                     // compute dtype f32 | bf16 | f16 | f64; empty = q's
+  std::string backend = "automatic";     // automatic | fast | reference
+  int threads = 0;                       // OpenMP threads; 0 = all cores
+  std::string lse;                       // also write lse [B, Hq, Nq]
+  std::string probs;                     // also write probabilities [B, Hq, Nq, Nk]
+  std::string dout;                      // --backward: dLoss/dout, like out
+  std::string dq, dk, dv;                // --backward: gradient files (each optional)
+  std::string d_mask;                    // --backward with a float --mask: dLoss/dmask, its shape
+  bool json = false;                     // a JSON summary on stdout instead of the line on stderr
 };
+
+// A flag that the learned parameters' table of `qkv attend` makes.
+struct LearnedFlag {
+  std::string name;  // its key in AttendOptions' map: the option's name
+  std::string flag;  // "--score-scale"
+  std::string help;  // for --help
+};
+
+// The flags of the learned parameters, in the table's order.
+struct LearnedFlags {
+  std::vector<LearnedFlag> inputs;     // --NAME FILE, into AttendOptions::learned
+  std::vector<LearnedFlag> switches;   // --NAME, into AttendOptions::switches
+  std::vector<LearnedFlag> gradients;  // --d-NAME FILE, into AttendOptions::learned_gradients
+};
+LearnedFlags learned_flags();
 
 // Runs the call: reads every input and checks every option before it
 // computes, and writes the outputs only when everything succeeded (each

@@ -145,15 +145,13 @@ int main(int argc, char** argv) {
   attend->add_flag("--alibi", attend_options.alibi, "ALiBi with the paper's slopes");
   attend->add_option("--alibi-slopes", attend_options.alibi_slopes,
                      "ALiBi slopes [Hq] or [B, Hq] (.npy)");
-  attend->add_option("--sinks", attend_options.sinks,
-                     "Learned sink logits [Hq] (.npy): each joins\n"
-                     "its head's softmax denominators");
-  attend->add_option("--score-scale", attend_options.score_scale,
-                     "Learned logit scales [Hq] (.npy): head h's\n"
-                     "dot-product scores times score_scale[h]");
-  attend->add_flag("--score-scale-log-n", attend_options.score_scale_log_n,
-                   "With --score-scale: also times ln of each\n"
-                   "row's keys (Scalable-Softmax)");
+  const qkv::tools::LearnedFlags learned = qkv::tools::learned_flags();
+  for (const qkv::tools::LearnedFlag& f : learned.inputs) {
+    attend->add_option(f.flag, attend_options.learned[f.name], f.help);
+  }
+  for (const qkv::tools::LearnedFlag& f : learned.switches) {
+    attend->add_flag(f.flag, attend_options.switches[f.name], f.help);
+  }
   attend->add_option("--softcap", attend_options.softcap, "c > 0: scores become c tanh(s / c)");
   attend->add_option("--dropout", attend_options.dropout, "Dropout probability (< 1)");
   attend->add_option("--seed", attend_options.seed, "Dropout seed");
@@ -172,11 +170,9 @@ int main(int argc, char** argv) {
   attend->add_option("--dq", attend_options.dq, "Write dLoss/dq (with --backward)");
   attend->add_option("--dk", attend_options.dk, "Write dLoss/dk (with --backward)");
   attend->add_option("--dv", attend_options.dv, "Write dLoss/dv (with --backward)");
-  attend->add_option("--d-sinks", attend_options.d_sinks,
-                     "Write dLoss/dsinks [Hq] (with --backward and --sinks)");
-  attend->add_option("--d-score-scale", attend_options.d_score_scale,
-                     "Write dLoss/dscore_scale [Hq] (with --backward\n"
-                     "and --score-scale)");
+  for (const qkv::tools::LearnedFlag& f : learned.gradients) {
+    attend->add_option(f.flag, attend_options.learned_gradients[f.name], f.help);
+  }
   attend->add_option("--d-mask", attend_options.d_mask,
                      "Write dLoss/dmask, shaped like the mask (with\n"
                      "--backward and a float --mask)");
