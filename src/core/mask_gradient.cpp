@@ -36,9 +36,7 @@ void add_rows(const Real* ds, const std::int64_t (&sizes)[4], ConstTensorView d_
 }  // namespace
 
 Tensor score_gradients(const AttentionProblem& p, DType dtype) {
-  Tensor ds(dtype, {p.batch, p.hq, p.nq, p.nk});
-  fill(ds, 0.0);
-  return ds;
+  return Tensor(dtype, {p.batch, p.hq, p.nq, p.nk});  // zeroed on construction
 }
 
 bool sum_into_mask(ConstTensorView ds, TensorView d_mask) {
