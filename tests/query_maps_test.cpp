@@ -103,7 +103,7 @@ TEST(QueryMaps, ChainAppliesInOrderAndPullsBackByTheChainRule) {
     GradientOutputs grads;
     grads.d_score_scale = d_scale;
     grads.d_sinks = d_shift;
-    qkv::detail::query_map_gradients(q, g, rows, o, dq, grads, maps);
+    qkv::detail::query_map_gradients(q, g, rows, o, DType::f64, dq, grads, maps);
     // L = <g, mapped>: dL/dq = c g; dL/dt = sum of g (times c when the shift
     // comes first); dL/dc = sum of <g, q + t> or of <g, q>.
     std::vector<double> want_scale(kH, 0.0), want_shift(kH, 0.0);

@@ -137,7 +137,7 @@ void run(const detail::AttentionProblem& p, ConstTensorView q, ConstTensorView k
     Tensor d_mapped(wide, {p.batch, p.nq, p.hq, p.dq});
     run(p, detail::mapped_queries(q, rows, o, wide), k, v, out, dout, lse,
         detail::mapped_gradients(grads, d_mapped), detail::without_query_maps(o));
-    detail::query_map_gradients(q, d_mapped, rows, o, grads.dq, grads);
+    detail::query_map_gradients(q, d_mapped, rows, o, wide, grads.dq, grads);
     return;
   }
   run_backend(p, q, k, v, out, dout, lse, forward_out, forward_lse, grads, o);

@@ -90,13 +90,14 @@ GradientOutputs mapped_gradients(const GradientOutputs& grads, TensorView dq_map
 }
 
 void query_map_gradients(ConstTensorView q, ConstTensorView dq_mapped,
-                         std::span<const QueryRow> rows, const AttentionOptions& o, TensorView dq,
-                         const GradientOutputs& grads, std::span<const QueryMap* const> maps) {
+                         std::span<const QueryRow> rows, const AttentionOptions& o, DType dtype,
+                         TensorView dq, const GradientOutputs& grads,
+                         std::span<const QueryMap* const> maps) {
   const std::vector<const QueryMap*> used = used_query_maps(o, maps);
   // inputs[m]: what map m read (q, then each map's output but the last's).
   std::vector<Tensor> inputs(used.size());
   for (std::size_t m = 1; m < used.size(); ++m) {
-    inputs[m] = like(q, dq_mapped.dtype());
+    inputs[m] = like(q, dtype);
     used[m - 1]->apply(m == 1 ? q : ConstTensorView(inputs[m - 1]), rows, o, inputs[m]);
   }
   Tensor below;  // the gradient of the map below's output, while there is one

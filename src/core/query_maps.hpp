@@ -11,7 +11,7 @@
 // to bf16 or f16 (an engine at matmul_precision medium rounds its operands
 // as it always does): f64 for the reference, which then computes the mapped
 // dot products in double, f32 for the fused kernels, which widen every
-// query to f32 anyway (one rounding of the mapped row to f32).
+// query to f32 anyway (one rounding of the mapped row to f32 per map).
 #pragma once
 
 #include <cstdint>
@@ -46,7 +46,7 @@ struct QueryMap {
   // Takes it out of the options.
   void (*remove)(AttentionOptions& o);
   // Keeps the values of heads [h0, h0 + n) of its per-head options (an
-  // all-to-all rank's heads).
+  // all-to-all rank's heads); called only where the options use it.
   void (*select_heads)(AttentionOptions& o, std::int64_t h0, std::int64_t n);
   // Writes the mapped rows of q into `mapped` (q's shape; rows not listed
   // are left unwritten).
@@ -75,15 +75,17 @@ void check_query_maps(const AttentionOptions& o, std::int64_t hq, Reasons& r);
 // The options without their maps: what the paths run on mapped queries.
 AttentionOptions without_query_maps(const AttentionOptions& o);
 
-// The options of heads [h0, h0 + n) for every map.
+// The options of heads [h0, h0 + n) for every map the options use.
 void select_query_map_heads(AttentionOptions& o, std::int64_t h0, std::int64_t n);
 
 // Every row of a call's q (problem p), with its key range's size.
 std::vector<QueryRow> query_rows(const AttentionProblem& p, const AttentionOptions& o);
 
-// The queries through every map the options use, in kQueryMaps' order:
-// [B, Nq, Hq, Dq] in `dtype` (rows not listed are left unwritten). The
-// overload with a problem takes all of its rows.
+// The queries through every map the options use, in kQueryMaps' order
+// (each map's output in `dtype`): [B, Nq, Hq, Dq] in `dtype`, zero in rows
+// not listed; only for options that map the queries (maps_queries). The
+// overload with a problem takes all of its rows. `maps` replaces the list
+// in tests.
 Tensor mapped_queries(ConstTensorView q, std::span<const QueryRow> rows, const AttentionOptions& o,
                       DType dtype, std::span<const QueryMap* const> maps = query_maps());
 Tensor mapped_queries(const AttentionProblem& p, ConstTensorView q, const AttentionOptions& o,
@@ -95,10 +97,13 @@ GradientOutputs mapped_gradients(const GradientOutputs& grads, TensorView dq_map
 
 // From dq', the gradient of the mapped queries: dq on the rows (dq may be dq'
 // itself), and each used map's parameter gradient into its field of `grads`
-// where that is defined, pulled back through the maps in reverse order.
+// where that is defined, pulled back through the maps in reverse order;
+// `dtype` is the one the queries were mapped in (mapped_queries), which the
+// inputs of the maps after the first are recomputed in. Only for options
+// that map the queries. `maps` replaces the list in tests.
 void query_map_gradients(ConstTensorView q, ConstTensorView dq_mapped,
-                         std::span<const QueryRow> rows, const AttentionOptions& o, TensorView dq,
-                         const GradientOutputs& grads,
+                         std::span<const QueryRow> rows, const AttentionOptions& o, DType dtype,
+                         TensorView dq, const GradientOutputs& grads,
                          std::span<const QueryMap* const> maps = query_maps());
 
 // The maps of the list that the options use, in order.

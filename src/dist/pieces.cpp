@@ -388,8 +388,8 @@ void merge_piece(const Setup& s, const BatchGroup& g, const Chunk& qc, const Ten
 // (exact: widening rounds nothing), so that their outputs and gradients
 // reach the f32 merges and sums unrounded, and the result is rounded to 16
 // bits once, as one call's. With maps of the queries, the queries are this
-// rank's times c_hi in that dtype (their whole-problem key ranges,
-// shard_scaled_rows) and the options go without the scale.
+// rank's mapped in that dtype (with their whole-problem key ranges,
+// shard_query_rows) and the options go without the maps.
 struct Working {
   Setup s;
   AttentionOptions options;  // the pieces' (before piece_options)
@@ -510,7 +510,8 @@ AttentionGradients finish_query_maps(const Setup& s, const AttentionOptions& o, 
       views.*m->gradient_view = shares.*m->gradient;
     }
   }
-  qkv::detail::query_map_gradients(q, acc, shard_query_rows(s, o), o, acc, views);
+  // The steps mapped in the working dtype (working()), which is Real's.
+  qkv::detail::query_map_gradients(q, acc, shard_query_rows(s, o), o, real, acc, views);
   return shares;
 }
 

@@ -317,7 +317,7 @@ void naive_attention_backward(const detail::AttentionProblem& p, ConstTensorView
     backward_in<float>(p, detail::mapped_queries(q, rows, o, precision), k, v, out, dout, lse,
                        detail::mapped_gradients(grads, d_mapped), detail::without_query_maps(o),
                        precision, false);
-    detail::query_map_gradients(q, d_mapped, rows, o, grads.dq, grads);
+    detail::query_map_gradients(q, d_mapped, rows, o, precision, grads.dq, grads);
     return;
   }
   backward_in<float>(p, q, k, v, out, dout, lse, grads, o, precision, false);
