@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "core/elements.hpp"
 #include "core/score_scale.hpp"
 #include "qkv/attention.hpp"
@@ -124,6 +125,40 @@ TEST(QueryMaps, ChainAppliesInOrderAndPullsBackByTheChainRule) {
     for (std::int64_t h = 0; h < kH; ++h) {
       EXPECT_NEAR(d_scale.data<double>()[h], want_scale[h], 1e-12);
       EXPECT_NEAR(d_shift.data<double>()[h], want_shift[h], 1e-12);
+    }
+  }
+}
+
+TEST(QueryMaps, InPlaceAndWithoutTheParameterGradient) {
+  // As the ring's finish calls it: dq written over dq' itself, with and
+  // without d_score_scale (a caller that did not ask for it).
+  const Tensor q = qkv::test::random_tensor(DType::f64, {kB, kN, kH, kD}, 5);
+  const Tensor g = qkv::test::random_tensor(DType::f64, {kB, kN, kH, kD}, 6);
+  const std::vector<float> scales = {0.5f, -1.25f};
+  AttentionOptions o;
+  o.score_scale = scales;
+  const std::vector<QueryRow> rows =
+      qkv::detail::query_rows(qkv::detail::check_attention_inputs(q, q, q, o), o);
+  ASSERT_EQ(rows.size(), static_cast<std::size_t>(kB * kN));
+  for (const bool with_gradient : {false, true}) {
+    Tensor dq = g;  // a copy, pulled back in place
+    Tensor d_scale(DType::f64, {kH});
+    GradientOutputs grads;
+    if (with_gradient) grads.d_score_scale = d_scale;
+    qkv::detail::query_map_gradients(q, dq, rows, o, DType::f64, dq, grads);
+    std::vector<double> want(kH, 0.0);
+    for (std::int64_t b = 0; b < kB; ++b) {
+      for (std::int64_t i = 0; i < kN; ++i) {
+        for (std::int64_t h = 0; h < kH; ++h) {
+          for (std::int64_t d = 0; d < kD; ++d) {
+            EXPECT_EQ(get(dq, b, i, h, d), scales[h] * get(g, b, i, h, d));
+            want[h] += get(g, b, i, h, d) * get(q, b, i, h, d);
+          }
+        }
+      }
+    }
+    for (std::int64_t h = 0; h < kH && with_gradient; ++h) {
+      EXPECT_NEAR(d_scale.data<double>()[h], want[h], 1e-12);
     }
   }
 }
