@@ -21,6 +21,8 @@ namespace qkv::detail {
 // Keys [lo, hi) of one query; hi == lo when there are none.
 struct KeyRange {
   std::int64_t lo, hi;
+  // The keys it holds (0 when empty).
+  std::int64_t size() const { return hi > lo ? hi - lo : 0; }
 };
 
 // The options that decide each query's key range, lowered from

@@ -1,5 +1,6 @@
 #include "core/query_maps.hpp"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/key_range.hpp"
@@ -29,10 +30,7 @@ std::vector<const QueryMap*> used_query_maps(const AttentionOptions& o,
 }
 
 bool maps_queries(const AttentionOptions& o) {
-  for (const QueryMap* m : kQueryMaps) {
-    if (m->used(o)) return true;
-  }
-  return false;
+  return std::ranges::any_of(kQueryMaps, [&](const QueryMap* m) { return m->used(o); });
 }
 
 void check_query_maps(const AttentionOptions& o, std::int64_t hq, Reasons& r) {
@@ -59,8 +57,7 @@ std::vector<QueryRow> query_rows(const AttentionProblem& p, const AttentionOptio
     const SequenceExtent e = p.sequence(s);
     const std::int64_t offset = rule.offset(e.nq, e.nk);
     for (std::int64_t i = 0; i < e.nq; ++i) {
-      const KeyRange keys = rule.range(i + offset, e.nk);
-      rows.push_back({e.batch, e.q_begin + i, keys.hi > keys.lo ? keys.hi - keys.lo : 0});
+      rows.push_back({e.batch, e.q_begin + i, rule.range(i + offset, e.nk).size()});
     }
   }
   return rows;

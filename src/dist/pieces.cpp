@@ -306,8 +306,7 @@ std::vector<qkv::detail::QueryRow> shard_query_rows(const Setup& s, const Attent
     for (std::int64_t b = g.b0; b < g.b0 + g.count; ++b) {
       for (const Chunk& c : chunks_of(s.layout, s.rank, s.ranks, s.nq)) {
         for (std::int64_t t = 0; t < c.length; ++t) {
-          const qkv::detail::KeyRange keys = rule.range(c.global + t + g.delta, g.valid_keys);
-          rows.push_back({b, c.local + t, keys.hi > keys.lo ? keys.hi - keys.lo : 0});
+          rows.push_back({b, c.local + t, rule.range(c.global + t + g.delta, g.valid_keys).size()});
         }
       }
     }
